@@ -1,0 +1,3 @@
+from podtrain.cli import main
+
+raise SystemExit(main())

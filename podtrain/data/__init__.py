@@ -1,0 +1,1 @@
+"""Data: text sources, byte tokens, and the grain pipeline that yields global batches."""

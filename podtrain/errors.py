@@ -1,0 +1,27 @@
+"""User-facing errors: each says what was wrong and what to do; the CLI prints it and exits 2."""
+
+
+class PodtrainError(Exception):
+    """An error the user can fix. The CLI prints the message without a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(PodtrainError):
+    """Malformed YAML, unknown key, wrong type or an inconsistent combination of values."""
+
+
+class DeviceError(PodtrainError):
+    """A forced device type that is not present."""
+
+
+class MeshError(PodtrainError):
+    """A mesh shape that does not match the devices."""
+
+
+class DataError(PodtrainError):
+    """Missing or unusable training data."""
+
+
+class CheckpointError(PodtrainError):
+    """A run directory or checkpoint that cannot be used."""

@@ -1,0 +1,55 @@
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.config import ModelConfig
+from podtrain.models.layers import Attention, RMSNorm, SwiGLU, param, rope_tables, scan_layers, stacked
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.compute_dtype)
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, std=std, out_std=out_std, dtype=dtype, implementation=cfg.attention, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rope) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
+        self.layers = stacked(cfg.n_layers, lambda r: Block(cfg, r), rngs)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.compute_dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        x = scan_layers(self.layers, x, rope, remat=cfg.remat, unroll=cfg.scan_unroll)
+        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        return (self.norm(x) @ head.astype(dtype)).astype(jnp.float32)
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4), plus
+    attention scores and values, 12 * n_layers * d_model * seq_len (PaLM appendix B; the causal
+    mask's saving is not subtracted). The embedding lookup is free unless tied to the head."""
+    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * seq_len

@@ -1,0 +1,38 @@
+"""Where the job runs: devices, processes and the named mesh. Knows nothing of models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh
+
+from podtrain.config import Config
+from podtrain.runtime import devices as devices_lib
+from podtrain.runtime import mesh as mesh_lib
+
+
+@dataclass
+class Runtime:
+    platform: str
+    devices: list
+    mesh: Mesh
+
+    @property
+    def is_main(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of the whole mesh, or None where the device's peak is unknown."""
+        peak = devices_lib.peak_flops(self.devices[0])
+        return peak * len(self.devices) if peak else None
+
+
+def start(cfg: Config, announce: bool = True) -> Runtime:
+    devices = devices_lib.select_devices(cfg.device_type)
+    mesh = mesh_lib.build_mesh(cfg.mesh, devices)
+    rt = Runtime(devices[0].platform, devices, mesh)
+    if announce and rt.is_main:
+        print(f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, {mesh_lib.describe(mesh)}", flush=True)
+    return rt

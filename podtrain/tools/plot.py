@@ -1,0 +1,43 @@
+"""Training curves as a PNG: loss and val_loss, learning rate and tokens/s against step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from podtrain.errors import DataError  # noqa: E402
+from podtrain.train.metrics import read_metrics  # noqa: E402
+
+PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_sec", "tokens/s"))
+
+
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
+    runs = {d: read_metrics(d) for d in run_dirs}
+    for d, records in runs.items():
+        if not records:
+            raise DataError(f"{d} has no metrics.jsonl with records; give the run_dir of a `podtrain train` run.")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for (key, title), ax in zip(PANELS, axes):
+        for d, records in runs.items():
+            name = Path(d).name
+            ax.plot(*_series(records, key), label=f"{name} train" if key == "loss" else name)
+            if key == "loss":
+                ax.plot(*_series(records, "val_loss"), "o--", label=f"{name} val")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out) if out else Path(run_dirs[0]) / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

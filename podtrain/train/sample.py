@@ -1,0 +1,54 @@
+"""Sampling text from a trained byte-level model: after training, and from a run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from podtrain import runtime
+from podtrain.config import MeshConfig, load_config, resolve_auto
+from podtrain.data.text import decode, encode
+from podtrain.errors import CheckpointError
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.state import ModelFns, model_fns
+
+
+def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature: float, window: int, seed: int = 0) -> str:
+    """Continue `prompt` token by token. The context is a fixed-size window padded on the right,
+    so one compiled forward pass serves every position (causal attention ignores the padding)."""
+
+    @jax.jit
+    def next_token(params, buf, pos, key):
+        logits = fns.apply(params, buf[None])[0, pos - 1]
+        if temperature == 0:
+            return jnp.argmax(logits)
+        return jax.random.categorical(key, logits / temperature)
+
+    tokens = list(encode(prompt)) or [ord("\n")]
+    key = jax.random.key(seed)
+    for _ in range(max_new_tokens):
+        context = tokens[-window:]
+        buf = np.zeros(window, np.int32)
+        buf[: len(context)] = context
+        key, sub = jax.random.split(key)
+        tokens.append(int(next_token(params, buf, len(context), sub)))
+    return decode(tokens[len(encode(prompt)) :])
+
+
+def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0) -> str:
+    """Sample from the latest checkpoint of a run, on this machine's devices (params replicated)."""
+    config_path = Path(run_dir) / "config.yaml"
+    if not config_path.is_file():
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
+    cfg = dataclasses.replace(load_config(config_path), mesh=MeshConfig(data=-1, fsdp=1, tensor=1))
+    rt = runtime.start(cfg, announce=False)
+    cfg = resolve_auto(cfg, rt.platform)
+    fns = model_fns(cfg, rt.mesh)
+    checkpointer = Checkpointer(cfg.checkpoint_dir)
+    params = checkpointer.restore(fns.abstract_params)["params"]
+    checkpointer.close()
+    return sample(fns, params, prompt, max_new_tokens, temperature, cfg.train.seq_len, seed)

@@ -1,0 +1,85 @@
+"""The model as pure functions of a params tree, and the sharded train state.
+
+State is a plain dict {"step", "params", "opt"} of arrays, each placed on the mesh by the
+logical-axis rules when it is created (jit with out_shardings), so no device ever holds more
+than its shard, even at initialisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from podtrain.config import Config
+from podtrain.models import build_model
+from podtrain.runtime.mesh import logical_sharding
+from podtrain.train import optim
+
+
+@dataclass
+class ModelFns:
+    """A model as data: how to build its params and how to apply them."""
+
+    graphdef: Any
+    abstract_params: Any  # tree of jax.ShapeDtypeStruct, with shardings
+    logical_axes: Any  # tree of tuples of logical axis names
+    init: Callable[[jax.Array], Any]  # key -> params, sharded
+    n_params: int
+
+    def apply(self, params, *inputs):
+        return nnx.merge(self.graphdef, params)(*inputs)
+
+
+def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
+    def make(key):
+        return nnx.to_pure_dict(nnx.state(build_model(cfg.model, nnx.Rngs(params=key))))
+
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract_model)
+    axes = jax.tree.map(tuple, nnx.to_pure_dict(nnx.get_partition_spec(abstract_state)), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shapes = jax.eval_shape(make, jax.random.key(0))
+    shardings = jax.tree.map(lambda names, s: logical_sharding(names, s.shape, mesh), axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    n_params = sum(s.size for s in jax.tree.leaves(shapes))
+    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings), n_params)
+
+
+def shardings_of(abstract):
+    return jax.tree.map(lambda s: s.sharding, abstract)
+
+
+def decay_mask(fns: ModelFns):
+    """Weight decay on matrices only: leaves with two or more axes besides the layer stack."""
+    return jax.tree.map(lambda names: sum(n != "layers" for n in names) >= 2, fns.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+@dataclass
+class TrainSetup:
+    fns: ModelFns
+    tx: optax.GradientTransformation
+    abstract_state: Any  # {"step", "params", "opt"} as ShapeDtypeStructs with shardings
+
+
+def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
+    fns = model_fns(cfg, mesh)
+    tx = optim.optimizer(cfg.train, decay_mask(fns))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shapes = jax.eval_shape(tx.init, fns.abstract_params)
+    # Optimizer moments follow their parameter's sharding; counters are replicated.
+    opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, shardings_of(fns.abstract_params), transform_non_params=lambda _: replicated)
+    abstract_opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return TrainSetup(fns, tx, {"step": step, "params": fns.abstract_params, "opt": abstract_opt})
+
+
+def init_state(setup: TrainSetup, seed: int) -> dict:
+    params = setup.fns.init(jax.random.key(seed))
+    opt = jax.jit(setup.tx.init, out_shardings=shardings_of(setup.abstract_state["opt"]))(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), setup.abstract_state["step"].sharding)
+    return {"step": step, "params": params, "opt": opt}

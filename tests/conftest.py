@@ -1,0 +1,19 @@
+"""Eight fake CPU devices for every test, set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import pytest  # noqa: E402
+
+# A model small enough for 2 CPU cores, with grouped-query attention (n_kv_heads < n_heads).
+SMALL = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=8", "model.compute_dtype=float32", "device_type=cpu",
+]
+
+
+@pytest.fixture
+def small_overrides():
+    return list(SMALL)

@@ -1,0 +1,28 @@
+"""Run a few training steps on a chosen set of devices, outside the CLI."""
+
+import jax
+import numpy as np
+
+from podtrain.config import load_config
+from podtrain.data.loader import global_batch, train_dataset
+from podtrain.data.text import load_tokens
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.state import init_state, train_setup
+from podtrain.train.step import batch_sharding, make_train_step
+
+
+def run_steps(overrides, n_devices, n_steps=3):
+    """Losses of n_steps and the final params (on host) for the mesh in `overrides`."""
+    cfg = load_config(None, overrides)
+    mesh = build_mesh(cfg.mesh, jax.devices()[:n_devices])
+    setup = train_setup(cfg, mesh)
+    state = init_state(setup, cfg.seed)
+    step = make_train_step(setup, cfg.train, mesh)
+    t = cfg.train
+    data = train_dataset(load_tokens(cfg.data)[0], t.seq_len, t.batch_size, cfg.seed)
+    losses = []
+    for i in range(n_steps):
+        batch = np.asarray(data[i]).reshape(t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1)
+        state, metrics = step(state, global_batch(batch, batch_sharding(mesh, leading=1)))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state["params"])

@@ -1,0 +1,56 @@
+"""The default job end to end through the CLI: metrics, checkpoint, resume, generate, plot."""
+
+import json
+
+import numpy as np
+
+from podtrain.cli import main
+from podtrain.train.metrics import read_metrics
+
+
+def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
+    run = tmp_path / "run"
+    common = small_overrides + [f"run_dir={run}", "train.log_every=2", "train.eval_every=3", "checkpoint.every=3", "train.eval_batches=2"]
+    assert main(["train", *common, "train.steps=6"]) == 0
+    records = read_metrics(run)
+    train_lines = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_lines] == [2, 4, 6]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time", "mfu"} <= set(train_lines[0])
+    assert train_lines[0]["mfu"] is None  # CPU peak FLOP/s is unknown
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+    assert (run / "config.yaml").exists() and list(run.glob("events.out.tfevents.*"))
+    assert "[podtrain] cpu: 8 x cpu, process 0/1, mesh data=8 fsdp=1 tensor=1" in capsys.readouterr().out
+
+    assert main(["train", *common, "train.steps=8"]) == 0
+    assert "resuming from step 6" in capsys.readouterr().out
+    assert read_metrics(run)[-1]["step"] == 8
+
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "12"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_continues_exactly(tmp_path, small_overrides):
+    """Stopping after step 3 and resuming gives the losses of an uninterrupted run."""
+
+    def losses(run, steps):
+        main(["train", *small_overrides, f"run_dir={run}", "train.log_every=1", "checkpoint.every=3", f"train.steps={steps}", "train.eval_every=100", "train.eval_batches=1"])
+        return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+    straight = losses(tmp_path / "a", 6)
+    losses(tmp_path / "b", 3)
+    resumed = losses(tmp_path / "b", 6)
+    np.testing.assert_allclose([resumed[s] for s in range(4, 7)], [straight[s] for s in range(4, 7)], rtol=0, atol=1e-6)
+
+
+def test_config_is_written_resolved(tmp_path, small_overrides):
+    import yaml
+
+    run = tmp_path / "run"
+    main(["train", *[o for o in small_overrides if "compute_dtype" not in o], f"run_dir={run}", "train.steps=1", "train.eval_batches=1"])
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["compute_dtype"] == "float32" and saved["model"]["attention"] == "xla"
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1

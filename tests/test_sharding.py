@@ -1,0 +1,39 @@
+"""The same training steps give the same numbers on every mesh shape, and with accumulation."""
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import run_steps
+
+MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 4, 1)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from conftest import SMALL
+
+    return run_steps(SMALL + ["mesh.data=1"], n_devices=1)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_equals_unsharded(shape, reference, small_overrides):
+    data, fsdp, tensor = shape
+    losses, params = run_steps(small_overrides + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"], n_devices=8)
+    ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0]  # the steps really trained
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
+
+
+def test_grad_accumulation_equals_full_batch(small_overrides):
+    full, full_params = run_steps(small_overrides + ["mesh.data=1"], n_devices=1)
+    accum, accum_params = run_steps(small_overrides + ["mesh.data=1", "train.grad_accum=4"], n_devices=1)
+    np.testing.assert_allclose(accum, full, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), accum_params, full_params)
+
+
+def test_grad_accumulation_on_a_mesh(small_overrides):
+    full, _ = run_steps(small_overrides + ["mesh.data=1"], n_devices=1)
+    accum, _ = run_steps(small_overrides + ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=4"], n_devices=8)
+    np.testing.assert_allclose(accum, full, rtol=0, atol=1e-5)
