@@ -15,7 +15,7 @@ train: $(STAMP)
 	$(VENV)/bin/podtrain train $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

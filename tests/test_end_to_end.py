@@ -1,6 +1,7 @@
 """The default job end to end through the CLI: metrics, checkpoint, resume, generate, plot."""
 
 import json
+import shutil
 
 import numpy as np
 
@@ -34,16 +35,18 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
 
 
 def test_resume_continues_exactly(tmp_path, small_overrides):
-    """Stopping after step 3 and resuming gives the losses of an uninterrupted run."""
+    """A run stopped after its step-3 checkpoint and resumed logs the losses of an uninterrupted run."""
 
-    def losses(run, steps):
-        main(["train", *small_overrides, f"run_dir={run}", "train.log_every=1", "checkpoint.every=3", f"train.steps={steps}", "train.eval_every=100", "train.eval_batches=1"])
+    def train(run):
+        main(["train", *small_overrides, f"run_dir={run}", "train.log_every=1", "checkpoint.every=3", "train.steps=6", "train.eval_every=100", "train.eval_batches=1"])
         return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
-    straight = losses(tmp_path / "a", 6)
-    losses(tmp_path / "b", 3)
-    resumed = losses(tmp_path / "b", 6)
-    np.testing.assert_allclose([resumed[s] for s in range(4, 7)], [straight[s] for s in range(4, 7)], rtol=0, atol=1e-6)
+    straight = train(tmp_path / "a")
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "6")  # as if stopped before the step-6 save
+    resumed = train(tmp_path / "b")
+    assert sorted(resumed) == [4, 5, 6]
+    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [straight[s] for s in (4, 5, 6)], rtol=0, atol=1e-6)
 
 
 def test_config_is_written_resolved(tmp_path, small_overrides):

@@ -13,12 +13,12 @@ from flax import nnx
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
     """A float32 normal(0, std) parameter tagged with its logical axis names."""
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), sharding_names=axes, eager_sharding=False)
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("embed",), eager_sharding=False)
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

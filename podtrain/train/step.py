@@ -45,7 +45,7 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh):
         loss, grads = jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
         updates, opt = tx.update(grads, state["opt"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt": opt}
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr(state["step"])}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
 
     state_shardings = shardings_of(setup.abstract_state)
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
