@@ -38,3 +38,13 @@ def test_user_error_exits_2_without_traceback(case, tmp_path):
     assert message in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
+    from conftest import SMALL
+
+    run = tmp_path / "run"
+    result = run_cli("train", *SMALL, f"run_dir={run}", "train.lr=1e12", "train.steps=6", "train.warmup_steps=1", "train.log_every=1", "checkpoint.every=1", "train.eval_every=100", "train.eval_batches=1")
+    assert result.returncode == 2, result.stderr
+    assert "The loss became" in result.stderr and "Traceback" not in result.stderr
+    assert (run / "checkpoints" / "1").is_dir() and (run / "metrics.jsonl").read_text().count("\n") >= 1

@@ -73,53 +73,56 @@ def train(cfg: Config) -> dict:
     def evaluate(params) -> float:
         return float(np.mean([jax.device_get(eval_step(params, global_batch(b, eval_sharding))) for b in val]))
 
-    log = MetricsLog(run_dir, rt.is_main)
     tokens_per_step = t.batch_size * t.seq_len
     flops_per_step = flops_per_token(cfg.model, setup.fns.n_params, t.seq_len) * tokens_per_step
     start = int(jax.device_get(state["step"]))
+    if start >= t.steps:
+        checkpointer.close()
+        console.print(f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir.")
+        return {"step": start}
+    log = MetricsLog(run_dir, rt.is_main)
     last: dict = {"step": start}
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
-    with Progress(*columns, console=console, disable=not rt.is_main) as progress:
-        task = progress.add_task("train", total=t.steps, completed=start, status="compiling")
-        window_start, clock = start, time.perf_counter()
-        for step in range(start, t.steps):
-            micro = np.asarray(dataset[step]).reshape(t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1)
-            state, metrics = train_step(state, global_batch(micro, step_sharding))
-            done = step + 1
-            if done == start + 1:  # leave compilation out of the throughput
-                jax.block_until_ready(state)
-                window_start, clock = done, time.perf_counter()
-            if done % t.log_every == 0 or done == t.steps:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not math.isfinite(metrics["loss"]):
-                    raise TrainingDiverged(
-                        f"The loss became {metrics['loss']} at step {done}. Lower train.lr or raise train.warmup_steps; "
-                        f"checkpoints up to step {checkpointer.latest_step()} in {cfg.checkpoint_dir} are intact."
-                    )
-                elapsed, steps_timed = time.perf_counter() - clock, done - window_start
-                step_time = elapsed / steps_timed if steps_timed else None
-                tps = tokens_per_step / step_time if step_time else None
-                mfu = flops_per_step / step_time / rt.peak_flops if step_time and rt.peak_flops else None
-                last = {"step": done, **metrics, "tokens_per_sec": tps, "step_time": step_time, "mfu": mfu}
-                log.write(last)
-                status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
-                progress.update(task, status=status)
-                progress.console.print(f"step {done:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}" + (f"  {tps:,.0f} tok/s" if tps else ""))
-                window_start, clock = done, time.perf_counter()
-            if done % t.eval_every == 0 or done == t.steps:
-                last["val_loss"] = evaluate(state["params"])
-                log.write({"step": done, "val_loss": last["val_loss"]}, prefix="eval")
-                progress.console.print(f"step {done:>6}  val_loss {last['val_loss']:.4f}")
-            if done % cfg.checkpoint.every == 0 or done == t.steps:
-                checkpointer.save(state)
-            if done % t.eval_every == 0 or done % cfg.checkpoint.every == 0:
-                window_start, clock = done, time.perf_counter()  # keep eval and saving out of throughput
-            progress.update(task, completed=done)
-    checkpointer.close()
-    log.close()
-    if start >= t.steps:
-        console.print(f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir.")
-        return last
+    try:  # finish pending checkpoint writes and flush metrics, also on errors
+        with Progress(*columns, console=console, disable=not rt.is_main) as progress:
+            task = progress.add_task("train", total=t.steps, completed=start, status="compiling")
+            window_start, clock = start, time.perf_counter()
+            for step in range(start, t.steps):
+                micro = np.asarray(dataset[step]).reshape(t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1)
+                state, metrics = train_step(state, global_batch(micro, step_sharding))
+                done = step + 1
+                if done == start + 1:  # leave compilation out of the throughput
+                    jax.block_until_ready(state)
+                    window_start, clock = done, time.perf_counter()
+                if done % t.log_every == 0 or done == t.steps:
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if not math.isfinite(metrics["loss"]):
+                        raise TrainingDiverged(
+                            f"The loss became {metrics['loss']} at step {done}. Lower train.lr or raise train.warmup_steps; "
+                            f"checkpoints up to step {checkpointer.latest_step()} in {cfg.checkpoint_dir} are intact."
+                        )
+                    elapsed, steps_timed = time.perf_counter() - clock, done - window_start
+                    step_time = elapsed / steps_timed if steps_timed else None
+                    tps = tokens_per_step / step_time if step_time else None
+                    mfu = flops_per_step / step_time / rt.peak_flops if step_time and rt.peak_flops else None
+                    last = {"step": done, **metrics, "tokens_per_sec": tps, "step_time": step_time, "mfu": mfu}
+                    log.write(last)
+                    status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
+                    progress.update(task, status=status)
+                    progress.console.print(f"step {done:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}" + (f"  {tps:,.0f} tok/s" if tps else ""))
+                    window_start, clock = done, time.perf_counter()
+                if done % t.eval_every == 0 or done == t.steps:
+                    last["val_loss"] = evaluate(state["params"])
+                    log.write({"step": done, "val_loss": last["val_loss"]}, prefix="eval")
+                    progress.console.print(f"step {done:>6}  val_loss {last['val_loss']:.4f}")
+                if done % cfg.checkpoint.every == 0 or done == t.steps:
+                    checkpointer.save(state)
+                if done % t.eval_every == 0 or done % cfg.checkpoint.every == 0:
+                    window_start, clock = done, time.perf_counter()  # keep eval and saving out of throughput
+                progress.update(task, completed=done)
+    finally:
+        checkpointer.close()
+        log.close()
     console.print(f"[podtrain] done: step {t.steps}, val_loss {last['val_loss']:.4f}, checkpoint in {cfg.checkpoint_dir}")
     if rt.is_main:
         text = sample(setup.fns, state["params"], "The ", 200, 0.8, t.seq_len, cfg.seed)
