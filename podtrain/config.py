@@ -125,10 +125,8 @@ def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, e.g. `train.lr`."""
     keys = []
     for f in dataclasses.fields(node):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            keys += all_keys(f.default_factory, f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
+        section = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        keys += all_keys(section, f"{prefix}{f.name}.") if dataclasses.is_dataclass(section) else [prefix + f.name]
     return keys
 
 
@@ -204,8 +202,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
 
 def validate(cfg: Config) -> None:
     """Checks that need more than a type: choices and relations between values."""
+    tree = OmegaConf.structured(cfg)
     for key, options in CHOICES.items():
-        value = OmegaConf.select(OmegaConf.structured(cfg), key)
+        value = OmegaConf.select(tree, key)
         if value not in options:
             raise ConfigError(f"Config key `{key}` is {value!r}; choose one of: {', '.join(options)}.")
     m, t = cfg.model, cfg.train
@@ -216,7 +215,7 @@ def validate(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
     for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "model.n_layers", "model.scan_unroll"):
-        if OmegaConf.select(OmegaConf.structured(cfg), key) < 1:
+        if OmegaConf.select(tree, key) < 1:
             raise ConfigError(f"Config key `{key}` must be at least 1.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")

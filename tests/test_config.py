@@ -6,10 +6,9 @@ from pathlib import Path
 import pytest
 
 from podtrain.cli import parser
-from podtrain.config import Config, load_config, mesh_from_env
+from podtrain.config import Config, MeshConfig, load_config, mesh_from_env
 from podtrain.errors import ConfigError, MeshError
 from podtrain.runtime.mesh import resolve_shape
-from podtrain.config import MeshConfig
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
