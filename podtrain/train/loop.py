@@ -40,6 +40,15 @@ def _check_batch(cfg: Config, dp: int) -> None:
         )
 
 
+def _throughput(step_time: float | None, tokens_per_step: int, flops_per_step: float, peak_flops: float | None) -> dict:
+    """tokens/s and MFU from the mean step time; None where unmeasured or the peak is unknown."""
+    return {
+        "tokens_per_sec": tokens_per_step / step_time if step_time else None,
+        "step_time": step_time,
+        "mfu": flops_per_step / step_time / peak_flops if step_time and peak_flops else None,
+    }
+
+
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps, resuming from the run's latest checkpoint. Returns the last metrics."""
     rt = runtime.start(cfg)
@@ -101,11 +110,9 @@ def train(cfg: Config) -> dict:
                             f"The loss became {metrics['loss']} at step {done}. Lower train.lr or raise train.warmup_steps; "
                             f"checkpoints up to step {checkpointer.latest_step()} in {cfg.checkpoint_dir} are intact."
                         )
-                    elapsed, steps_timed = time.perf_counter() - clock, done - window_start
-                    step_time = elapsed / steps_timed if steps_timed else None
-                    tps = tokens_per_step / step_time if step_time else None
-                    mfu = flops_per_step / step_time / rt.peak_flops if step_time and rt.peak_flops else None
-                    last = {"step": done, **metrics, "tokens_per_sec": tps, "step_time": step_time, "mfu": mfu}
+                    step_time = (time.perf_counter() - clock) / (done - window_start) if done > window_start else None
+                    last = {"step": done, **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
+                    tps, mfu = last["tokens_per_sec"], last["mfu"]
                     log.write(last)
                     status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
                     progress.update(task, status=status)
