@@ -23,5 +23,9 @@ class DataError(PodtrainError):
     """Missing or unusable training data."""
 
 
+class TrainingDiverged(PodtrainError):
+    """A loss that is no longer finite."""
+
+
 class CheckpointError(PodtrainError):
     """A run directory or checkpoint that cannot be used."""

@@ -26,14 +26,11 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, state: dict) -> None:
-        step = int(jax.device_get(state["step"]))
-        if step in self.manager.all_steps():
-            return
-        self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]), opt=ocp.args.StandardSave(state["opt"])))
+        self.manager.save(int(jax.device_get(state["step"])), args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]), opt=ocp.args.StandardSave(state["opt"])))
 
-    def restore(self, abstract_params, abstract_opt=None, step: int | None = None) -> dict:
-        """{"step", "params"} and, given abstract_opt, "opt": restored onto the abstract shardings."""
-        step = self.latest_step() if step is None else step
+    def restore(self, abstract_params, abstract_opt=None) -> dict:
+        """The latest {"step", "params"} and, given abstract_opt, "opt", onto the abstract shardings."""
+        step = self.latest_step()
         if step is None:
             raise CheckpointError(f"No checkpoint in {self.manager.directory}; train first (podtrain train ... run_dir=...).")
         items = {"params": ocp.args.StandardRestore(abstract_params)}

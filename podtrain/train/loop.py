@@ -15,7 +15,7 @@ from podtrain import runtime
 from podtrain.config import Config, resolve_auto, save_config
 from podtrain.data.loader import eval_batches, global_batch, train_dataset
 from podtrain.data.text import load_tokens
-from podtrain.errors import ConfigError, DataError, PodtrainError
+from podtrain.errors import ConfigError, DataError, TrainingDiverged
 from podtrain.models import flops_per_token
 from podtrain.runtime.mesh import data_parallel_size
 from podtrain.train.checkpoint import Checkpointer
@@ -25,10 +25,6 @@ from podtrain.train.state import init_state, train_setup
 from podtrain.train.step import batch_sharding, make_eval_step, make_train_step
 
 BYTE_VOCAB = 256
-
-
-class TrainingDiverged(PodtrainError):
-    pass
 
 
 def _check_batch(cfg: Config, dp: int) -> None:

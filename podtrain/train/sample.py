@@ -28,7 +28,8 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
             return jnp.argmax(logits)
         return jax.random.categorical(key, logits / temperature)
 
-    tokens = list(encode(prompt)) or [ord("\n")]
+    prompt_tokens = encode(prompt)
+    tokens = list(prompt_tokens) or [ord("\n")]
     key = jax.random.key(seed)
     for _ in range(max_new_tokens):
         context = tokens[-window:]
@@ -36,7 +37,7 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
         buf[: len(context)] = context
         key, sub = jax.random.split(key)
         tokens.append(int(next_token(params, buf, len(context), sub)))
-    return decode(tokens[len(encode(prompt)) :])
+    return decode(tokens[len(prompt_tokens) :])
 
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0) -> str:
