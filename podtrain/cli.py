@@ -1,20 +1,47 @@
-"""The `podtrain` command: train, generate, plot."""
+"""The `podtrain` command: train, generate, plot, doctor, launch."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from podtrain.errors import PodtrainError
+from podtrain.errors import ConfigError, PodtrainError
+
+
+def _config(args):
+    """The config of a train or doctor command line: file, setup-guide flags, then overrides."""
+    from podtrain.config import FLAG_ALIASES, load_config, tiny_model_overrides
+
+    overrides = tiny_model_overrides() if getattr(args, "use_small_model", False) else []
+    overrides += [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
+    return load_config(args.config, overrides + args.overrides)
 
 
 def _train(args) -> None:
-    from podtrain.config import FLAG_ALIASES, load_config, tiny_model_overrides
     from podtrain.train.loop import train
 
-    overrides = tiny_model_overrides() if args.use_small_model else []
-    overrides += [f"{FLAG_ALIASES[flag]}={value}" for flag, value in args.flags.items()]
-    train(load_config(args.config, overrides + args.overrides))
+    train(_config(args))
+
+
+def _doctor(args) -> None:
+    from podtrain.tools.doctor import doctor
+
+    doctor(_config(args))
+
+
+def _launch(args) -> int:
+    from podtrain.tools.launch import launch
+
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command:
+        raise ConfigError("Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`.")
+    log_dir = args.log_dir
+    if command[0] in COMMANDS:
+        inner = _parse(command)
+        log_dir = log_dir or (Path(_config(inner).run_dir) / "logs" if command[0] == "train" else None)
+        command = [sys.executable, "-m", "podtrain", *command]
+    return launch(command, args.nproc, Path(log_dir or "runs/launch"), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator)
 
 
 def _generate(args) -> None:
@@ -50,6 +77,26 @@ def parser() -> argparse.ArgumentParser:
         t.add_argument(flag, action=_Alias, metavar="VALUE", help=f"same as {key}=VALUE")
     t.add_argument("--use-small-model", action="store_true", help="use the model dimensions of the tiny default job")
 
+    d = sub.add_parser("doctor", help="check that every process and device of the job can take part in an all-reduce")
+    d.add_argument("config", nargs="?", help="YAML config file (its mesh and device_type are used)")
+    d.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    d.set_defaults(func=_doctor)
+
+    la = sub.add_parser(
+        "launch",
+        help="run a command as several processes of one job on this machine",
+        description="Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with the variables that join them; "
+        "stream their output with a rank prefix; stop them all if one fails.",
+    )
+    la.add_argument("--nproc", type=int, required=True, help="processes on this node")
+    la.add_argument("--devices-per-proc", type=int, help="fake CPU devices per process on CPU; GPUs per process on a GPU node (default: an equal share)")
+    la.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs its own launch)")
+    la.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    la.add_argument("--coordinator", help="HOST:PORT of node 0 (default: 127.0.0.1 and a free port, for one node)")
+    la.add_argument("--log-dir", help="where process_<rank>.log go (default: RUN_DIR/logs for train, else runs/launch)")
+    la.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs")
+    la.set_defaults(func=_launch)
+
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     g.add_argument("run_dir")
     g.add_argument("--prompt", default="")
@@ -65,17 +112,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+COMMANDS = ("train", "generate", "plot", "doctor", "launch")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    if args.command == "train" and args.config and "=" in args.config:
+    if getattr(args, "config", None) and "=" in args.config:
         args.overrides.insert(0, args.config)  # `podtrain train key=value` without a file
         args.config = None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except PodtrainError as e:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("podtrain: interrupted", file=sys.stderr)
         return 130
-    return 0

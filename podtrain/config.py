@@ -64,6 +64,7 @@ class TrainConfig:
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
+    sample_tokens: int = 200  # text sampled from the model at the end; 0 for none
 
 
 @dataclass
@@ -82,12 +83,18 @@ class DataConfig:
 
 
 @dataclass
+class DistributedConfig:
+    init_timeout: int = 300  # seconds for all processes to join the coordinator
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device_type: str = "auto"  # auto | tpu | gpu | cuda | cpu
     run_dir: str = "runs/default"
     seed: int = 0
@@ -214,7 +221,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads.")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
-    for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "model.n_layers", "model.scan_unroll"):
+    for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll"):
         if OmegaConf.select(tree, key) < 1:
             raise ConfigError(f"Config key `{key}` must be at least 1.")
     if t.batch_size % t.grad_accum:

@@ -29,3 +29,7 @@ class TrainingDiverged(PodtrainError):
 
 class CheckpointError(PodtrainError):
     """A run directory or checkpoint that cannot be used."""
+
+
+class DistributedError(PodtrainError):
+    """A half-set multi-process environment, or processes that cannot join each other."""

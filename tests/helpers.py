@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from podtrain.config import load_config
-from podtrain.data.loader import global_batch, train_dataset
+from podtrain.data.loader import BatchReader, train_windows
 from podtrain.data.text import load_tokens
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.state import init_state, train_setup
@@ -19,10 +19,10 @@ def run_steps(overrides, n_devices, n_steps=3):
     state = init_state(setup, cfg.seed)
     step = make_train_step(setup, cfg.train, mesh)
     t = cfg.train
-    data = train_dataset(load_tokens(cfg.data)[0], t.seq_len, t.batch_size, cfg.seed)
+    windows = train_windows(load_tokens(cfg.data)[0], t.seq_len, t.batch_size, cfg.seed)
+    batches = BatchReader(windows, batch_sharding(mesh, leading=1), (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1), axis=1)
     losses = []
     for i in range(n_steps):
-        batch = np.asarray(data[i]).reshape(t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1)
-        state, metrics = step(state, global_batch(batch, batch_sharding(mesh, leading=1)))
+        state, metrics = step(state, batches[i])
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state["params"])

@@ -1,20 +1,24 @@
-"""Windows of seq_len + 1 tokens, shuffled each epoch by grain, batched, and placed on the mesh.
+"""Windows of seq_len + 1 tokens, shuffled each epoch by grain, read per process, placed on the mesh.
 
-The training dataset is random-access: batch i is the batch of step i, so a resumed run reads
-exactly the batches it would have read without stopping.
+Datasets are random-access over windows: example i of batch b is window b * examples_per_batch + i,
+so a resumed run reads exactly the batches it would have read without stopping, and each process
+reads only the rows its own devices hold. `jax.make_array_from_process_local_data` joins the
+processes' rows into one global batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import grain
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from podtrain.errors import DataError
+from podtrain.errors import DataError, MeshError
 
 
-def _windows(tokens: np.ndarray, seq_len: int, batch_size: int, split: str) -> int:
+def _count_windows(tokens: np.ndarray, seq_len: int, batch_size: int, split: str) -> int:
     n = (len(tokens) - 1) // seq_len
     if n < batch_size:
         raise DataError(
@@ -24,27 +28,55 @@ def _windows(tokens: np.ndarray, seq_len: int, batch_size: int, split: str) -> i
     return n
 
 
-def train_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
-    """Infinite random-access dataset of (batch_size, seq_len + 1) int32 batches."""
-    n = _windows(tokens, seq_len, batch_size, "train")
-    return (
-        grain.MapDataset.range(n)
-        .shuffle(seed=seed)
-        .repeat()
-        .map(lambda i: tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int32))
-        .batch(batch_size)
-    )
+def _window(tokens: np.ndarray, seq_len: int):
+    return lambda i: tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int32)
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> list[np.ndarray]:
-    """The first max_batches full batches of consecutive windows: the same every evaluation."""
-    n = _windows(tokens, seq_len, batch_size, "validation")
-    n_batches = min(max_batches, n // batch_size)
-    starts = np.arange(n_batches * batch_size) * seq_len
-    windows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
-    return list(windows.reshape(n_batches, batch_size, seq_len + 1))
+def train_windows(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
+    """Infinite random-access dataset of (seq_len + 1,) int32 windows, reshuffled every epoch."""
+    n = _count_windows(tokens, seq_len, batch_size, "train")
+    return grain.MapDataset.range(n).shuffle(seed=seed).repeat().map(_window(tokens, seq_len))
 
 
-def global_batch(host_batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """One array over the whole mesh from this process's rows of the batch."""
-    return jax.make_array_from_process_local_data(sharding, host_batch)
+def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> grain.MapDataset:
+    """The consecutive windows of at most max_batches full batches: the same every evaluation."""
+    n_batches = min(max_batches, _count_windows(tokens, seq_len, batch_size, "validation") // batch_size)
+    return grain.MapDataset.range(n_batches * batch_size).map(_window(tokens, seq_len))
+
+
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """Indices along `axis` of a global array of `shape` that this process's devices hold."""
+    spans = {index[axis].indices(shape[axis])[:2] for index in sharding.addressable_devices_indices_map(shape).values()}
+    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    if len(set().union(*(range(s, e) for s, e in spans))) != hi - lo:
+        raise MeshError(f"This process's devices hold non-contiguous rows {sorted(spans)} of the batch; build the mesh from jax.devices() in their default order.")
+    return np.arange(lo, hi)
+
+
+class BatchReader:
+    """Global batches of `shape` from a windows dataset; dimension `axis` is split over data-parallel devices.
+
+    Each batch holds prod(shape[: axis + 1]) windows in row-major order; this process reads
+    only the rows along `axis` that its devices hold (every row where the batch is replicated).
+    """
+
+    def __init__(self, windows: grain.MapDataset, sharding: NamedSharding, shape: tuple[int, ...], axis: int):
+        self.windows, self.sharding, self.shape = windows, sharding, tuple(shape)
+        self.per_batch = math.prod(shape[: axis + 1])
+        rows = process_rows(sharding, self.shape, axis)
+        leading = np.arange(math.prod(shape[:axis]))[:, None] * shape[axis]
+        self.offsets = (leading + rows[None, :]).reshape(*shape[:axis], len(rows))
+
+    def __len__(self) -> int:
+        return len(self.windows) // self.per_batch
+
+    def ids(self, batch: int) -> np.ndarray:
+        """Window ids this process reads for `batch`."""
+        return batch * self.per_batch + self.offsets
+
+    def local(self, batch: int) -> np.ndarray:
+        ids = self.ids(batch)
+        return np.stack([self.windows[int(i)] for i in ids.ravel()]).reshape(*ids.shape, -1)
+
+    def __getitem__(self, batch: int) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.sharding, self.local(batch), self.shape)

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
 from podtrain.config import Config, resolve_auto, save_config
-from podtrain.data.loader import eval_batches, global_batch, train_dataset
+from podtrain.data.loader import BatchReader, eval_windows, train_windows
 from podtrain.data.text import load_tokens
 from podtrain.errors import ConfigError, DataError, TrainingDiverged
 from podtrain.models import flops_per_token
@@ -55,8 +55,6 @@ def train(cfg: Config) -> dict:
         raise DataError(f"Byte-level text has token ids up to {BYTE_VOCAB - 1}, out of range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size>={BYTE_VOCAB}.")
     run_dir = Path(cfg.run_dir)
     train_tokens, val_tokens = load_tokens(cfg.data)
-    dataset = train_dataset(train_tokens, t.seq_len, t.batch_size, cfg.seed)
-    val = eval_batches(val_tokens, t.seq_len, t.batch_size, t.eval_batches)
 
     setup = train_setup(cfg, rt.mesh)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
@@ -73,10 +71,13 @@ def train(cfg: Config) -> dict:
     )
 
     train_step, eval_step = make_train_step(setup, t, rt.mesh), make_eval_step(setup, rt.mesh)
-    step_sharding, eval_sharding = batch_sharding(rt.mesh, leading=1), batch_sharding(rt.mesh)
+    micro = t.batch_size // t.grad_accum
+    batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(rt.mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
+    val = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(rt.mesh), (t.batch_size, t.seq_len + 1), axis=0)
 
     def evaluate(params) -> float:
-        return float(np.mean([jax.device_get(eval_step(params, global_batch(b, eval_sharding))) for b in val]))
+        # Each loss is a mean over the global batch, reduced across all processes inside the step.
+        return float(np.mean([jax.device_get(eval_step(params, val[i])) for i in range(len(val))]))
 
     tokens_per_step = t.batch_size * t.seq_len
     flops_per_step = flops_per_token(cfg.model, setup.fns.n_params, t.seq_len) * tokens_per_step
@@ -93,8 +94,7 @@ def train(cfg: Config) -> dict:
             task = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
             for step in range(start, t.steps):
-                micro = np.asarray(dataset[step]).reshape(t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1)
-                state, metrics = train_step(state, global_batch(micro, step_sharding))
+                state, metrics = train_step(state, batches[step])
                 done = step + 1
                 if done == start + 1:  # leave compilation out of the throughput
                     jax.block_until_ready(state)
@@ -127,7 +127,7 @@ def train(cfg: Config) -> dict:
         checkpointer.close()
         log.close()
     console.print(f"[podtrain] done: step {t.steps}, val_loss {last['val_loss']:.4f}, checkpoint in {cfg.checkpoint_dir}")
-    if rt.is_main:
-        text = sample(setup.fns, state["params"], "The ", 200, 0.8, t.seq_len, cfg.seed)
+    if t.sample_tokens:
+        text = sample(setup.fns, state["params"], "The ", t.sample_tokens, 0.8, t.seq_len, cfg.seed)  # on every process: params span them all
         console.print("[podtrain] sample:\n" + "The " + text)
     return last

@@ -47,7 +47,9 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
     shardings = jax.tree.map(lambda names, s: logical_sharding(names, s.shape, mesh), axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     n_params = sum(s.size for s in jax.tree.leaves(shapes))
-    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings), n_params)
+    # Init runs once; on CPU, XLA's optimisations of its random-number code cost more (~4x the compile time) than they save.
+    options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
+    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params)
 
 
 def shardings_of(abstract):

@@ -1,0 +1,145 @@
+"""Real processes on 127.0.0.1: several processes train exactly like one, fail fast, and refuse half-set environments."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import SMALL
+from helpers import run_steps
+
+from podtrain.config import MeshConfig, load_config
+from podtrain.runtime.distributed import from_environment
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.metrics import read_metrics
+from podtrain.train.state import model_fns
+
+TESTS = Path(__file__).parent
+# Children get their own fake device count from `launch`, and no stray cluster variables.
+LAUNCHER_VARS = ("XLA_FLAGS", "RANK", "WORLD_SIZE", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK")
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))}
+
+
+def podtrain(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "podtrain", *args], env={**CLEAN_ENV, **(env or {})}, capture_output=True, text=True, **kwargs)
+
+
+@pytest.mark.parametrize("nproc,per_proc,mesh", [(2, 4, (2, 2, 2)), (4, 2, (4, 2, 1)), (4, 2, (1, 4, 2))])
+def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
+    run = tmp_path / "run"
+    overrides = SMALL + [f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}", "train.steps=3"]
+    args = ["train.log_every=1", "train.eval_batches=1", "train.sample_tokens=0", f"run_dir={run}"]
+    done = podtrain("launch", "--nproc", str(nproc), "--devices-per-proc", str(per_proc), "--", "train", *overrides, *args, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} tensor={mesh[2]}" in done.stdout
+    assert sorted(p.name for p in (run / "logs").iterdir()) == [f"process_{i}.log" for i in range(nproc)]
+
+    losses, params = run_steps(overrides, n_devices=8)
+    logged = [r["loss"] for r in read_metrics(run) if "loss" in r]
+    np.testing.assert_allclose(logged, losses, rtol=0, atol=1e-5)
+    cfg = load_config(None, SMALL)
+    checkpointer = Checkpointer(run / "checkpoints")
+    restored = checkpointer.restore(model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])).abstract_params)["params"]
+    checkpointer.close()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-5), restored, params)
+
+
+def test_each_process_reads_its_own_rows(tmp_path):
+    """Over 3 steps of a (2,2,2) mesh on 2 processes: every window once, none twice, half each."""
+    done = subprocess.run(
+        [sys.executable, "-m", "podtrain", "launch", "--nproc", "2", "--devices-per-proc", "4", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(TESTS / "multihost_data.py"), str(tmp_path)],
+        env=CLEAN_ENV, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reads = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+    for step in map(str, range(3)):
+        ids = reads[0][step] + reads[1][step]
+        assert len(reads[0][step]) == len(reads[1][step]) == 4
+        assert sorted(ids) == list(range(int(step) * 8, int(step) * 8 + 8))
+
+
+def test_launch_fails_fast_when_a_process_dies(tmp_path):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "podtrain", "launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *SMALL, "train.steps=100000", "train.log_every=1", f"run_dir={run}"],
+        env=CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    pids, deadline = {}, time.monotonic() + 240
+    for line in launcher.stdout:
+        if m := re.match(r"\[launch\] process (\d): pid (\d+)", line):
+            pids[int(m[1])] = int(m[2])
+        if line.startswith("[0] step      2"):
+            break
+        assert time.monotonic() < deadline, "training did not start"
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    rest = launcher.communicate(timeout=60)[0]
+    assert time.monotonic() - killed < 30
+    assert launcher.returncode != 0
+    assert "process 1 ended with signal SIGKILL" in rest
+    time.sleep(0.5)
+    assert not Path(f"/proc/{pids[0]}").exists() or "Z" in Path(f"/proc/{pids[0]}/stat").read_text().split()[2]
+
+
+HALF_SET = [
+    ({"JAX_PROCESS_INDEX": "1"}, "JAX_COORDINATOR_ADDRESS"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "2"}, "JAX_PROCESS_INDEX"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "2"}, "outside 0..1"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1"}, "not HOST:PORT"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "two", "JAX_PROCESS_INDEX": "1"}, "not an integer"),
+    ({"MASTER_ADDR": "127.0.0.1", "RANK": "1", "WORLD_SIZE": "2"}, "MASTER_PORT"),
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "WORLD_SIZE": "2"}, "RANK (or NODE_RANK"),
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "WORLD_SIZE": "2", "RANK": "5"}, "outside 0..1"),
+]
+
+
+@pytest.mark.parametrize("env,message", HALF_SET)
+def test_half_set_environment_is_an_error(env, message):
+    done = podtrain("doctor", "device_type=cpu", "distributed.init_timeout=5", env=env, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_missing_processes_time_out_with_the_address(tmp_path):
+    """Process 1 of 2 with nobody at the coordinator: exit 2 after the init timeout, naming the address."""
+    from podtrain.tools.launch import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    env = {"JAX_COORDINATOR_ADDRESS": address, "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1"}
+    start = time.monotonic()
+    done = podtrain("doctor", "device_type=cpu", "distributed.init_timeout=3", env=env, timeout=60)
+    assert done.returncode == 2 and address in done.stderr and "Nothing answers" in done.stderr, done.stderr
+    assert time.monotonic() - start < 3 + 15  # the timeout plus interpreter start-up
+
+
+def test_torchrun_variables():
+    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "NODE_RANK": "1", "NPROC_PER_NODE": "4", "LOCAL_RANK": "2"}
+    procs = from_environment(env)
+    assert (procs.coordinator, procs.count, procs.index, procs.local_device_ids) == ("10.0.0.1:29500", 8, 6, (2,))
+    under_torchrun = from_environment({"MASTER_ADDR": "h", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"})
+    assert under_torchrun.coordinator == "h:29501"  # torchrun's agent holds MASTER_PORT
+    assert from_environment({}) is None and from_environment({"LOCAL_RANK": "0"}) is None
+    assert from_environment({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1", "RANK": "0"}).index == 1  # JAX_* first
+
+
+def test_launch_training_script_joins_two_nodes(tmp_path):
+    """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK."""
+    from podtrain.tools.launch import free_port
+
+    env = {**CLEAN_ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PODTRAIN": f"{sys.executable} -m podtrain"}
+    script = str(TESTS.parent / "scripts" / "launch_training.sh")
+    nodes = [
+        subprocess.Popen([script, "doctor", "device_type=cpu", "distributed.init_timeout=60"], env={**env, "NODE_RANK": str(rank)}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "[0] [doctor] 2/2 processes got the right all-reduce" in outputs[0]
+    assert "[1] [doctor] process 1/2" in outputs[1]
