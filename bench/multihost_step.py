@@ -49,7 +49,7 @@ def main() -> None:
     print(f"1 process  x 8 devices: {one * 1e3:8.1f} ms/step")
     print(f"2 processes x 4 devices: {two * 1e3:8.1f} ms/step")
     print(f"ratio 2x4 / 1x8: {two / one:.2f}")
-    print(f"join time per process (jax.distributed init + devices): {', '.join(f'{j:.2f} s' for j in joins)}")
+    print(f"jax.distributed join time per process: {', '.join(f'{j:.2f} s' for j in joins)}")
 
 
 if __name__ == "__main__":

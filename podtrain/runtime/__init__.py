@@ -34,12 +34,13 @@ class Runtime:
 def start(cfg: Config, announce: bool = True) -> Runtime:
     clock = time.perf_counter()
     procs = distributed.initialize(cfg.distributed.init_timeout)
+    join_s = time.perf_counter() - clock
     devices = devices_lib.select_devices(cfg.device_type)
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)
     rt = Runtime(devices[0].platform, devices, mesh)
     if announce and jax.process_count() > 1:  # every process, so each log shows that it joined
         local = jax.local_devices(backend=rt.platform)
-        print(f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in {time.perf_counter() - clock:.2f} s with {len(local)} local {rt.platform} devices", flush=True)
+        print(f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in {join_s:.2f} s, with {len(local)} local {rt.platform} devices", flush=True)
     if announce and rt.is_main:
         print(f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, {mesh_lib.describe(mesh)}", flush=True)
     return rt

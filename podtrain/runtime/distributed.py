@@ -174,4 +174,4 @@ def _initialize_detected(timeout: int) -> Processes | None:
         raise DistributedError(f"jax.distributed detected a cluster but could not start from it: {e}") from None
     except RuntimeError:  # JAX already runs in this process, which makes it a single process
         return None
-    return Processes("detected", jax.process_count(), jax.process_index(), "detected by jax.distributed")
+    return Processes("the coordinator jax.distributed detected", jax.process_count(), jax.process_index(), "detected by jax.distributed")
