@@ -22,6 +22,14 @@ from podtrain.errors import ConfigError
 
 
 @dataclass
+class MhcConfig:
+    streams: int = 4  # parallel residual streams (n)
+    sinkhorn_iters: int = 20
+    projection: str = "sinkhorn"  # sinkhorn (mHC) | permutations (mHC-lite, streams <= 4)
+    alpha_init: float = 0.01  # initial gate of the input-dependent part of the mixing
+
+
+@dataclass
 class ModelConfig:
     name: str = "llama"
     vocab_size: int = 256
@@ -39,6 +47,7 @@ class ModelConfig:
     scan_unroll: int = 1  # layers per scan iteration; n_layers unrolls fully
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
+    mhc: MhcConfig = field(default_factory=MhcConfig)  # used by model.name=mhc
 
 
 @dataclass
@@ -109,6 +118,7 @@ CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn"),
+    "model.mhc.projection": ("sinkhorn", "permutations"),
     "data.source": ("pydoc", "text"),
 }
 
@@ -221,18 +231,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads.")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
-    for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll"):
+    for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll", "model.mhc.streams", "model.mhc.sinkhorn_iters"):
         if OmegaConf.select(tree, key) < 1:
             raise ConfigError(f"Config key `{key}` must be at least 1.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
+    if m.mhc.projection == "permutations" and m.mhc.streams > 4:
+        raise ConfigError(f"model.mhc.projection=permutations mixes all {m.mhc.streams}! permutations of the streams; use model.mhc.streams<=4 or projection=sinkhorn.")
     if cfg.data.source == "text" and not cfg.data.path:
         raise ConfigError("data.source=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files).")
 
 
 def tiny_model_overrides() -> list[str]:
     """`--use-small-model`: the model dimensions of the embedded tiny job."""
-    return [f"model.{k}={v}" for k, v in dataclasses.asdict(ModelConfig()).items() if k != "name"]
+    return [f"model.{k}={v}" for k, v in dataclasses.asdict(ModelConfig()).items() if k not in ("name", "mhc")]
 
 
 def to_yaml(cfg: Config) -> str:

@@ -72,3 +72,18 @@ def test_llama_7b_recipe_has_7b_parameters():
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     assert abs(n - 6.738e9) / 6.738e9 < 0.001  # Llama-2-7B: 6,738,415,616
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (4, 4, 2)
+
+
+def test_mhc_3b_recipe_has_3b_parameters():
+    import jax
+    from flax import nnx
+
+    from podtrain.models import build_model
+
+    cfg = load_config(CONFIGS / "mhc_3b.yaml")
+    model = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0)))
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+    assert abs(n - 3.0e9) / 3.0e9 < 0.05, n  # 3,036,658,098
+    assert (cfg.model.vocab_size, cfg.train.batch_size, cfg.model.mhc.streams) == (49152, 32, 4)
+    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 2, 2)
+    assert load_config(CONFIGS / "mhc_tiny.yaml").model.name == "mhc"

@@ -6,9 +6,9 @@ from flax import nnx
 
 from podtrain.config import ModelConfig
 from podtrain.errors import ConfigError
-from podtrain.models import llama
+from podtrain.models import llama, mhc
 
-MODELS = {"llama": (llama.Llama, llama.flops_per_token)}
+MODELS = {"llama": (llama.Llama, llama.flops_per_token), "mhc": (mhc.Mhc, mhc.flops_per_token)}
 
 
 def _lookup(name: str):

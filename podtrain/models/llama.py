@@ -21,18 +21,29 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
 
+    def attention_branch(self, x: jax.Array, rope) -> jax.Array:
+        return self.attn(self.attn_norm(x), rope)
+
+    def mlp_branch(self, x: jax.Array) -> jax.Array:
+        return self.mlp(self.mlp_norm(x))
+
     def __call__(self, x: jax.Array, rope) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attention_branch(x, rope)
+        return x + self.mlp_branch(x)
 
 
 class Llama(nnx.Module):
-    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
+    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32.
+
+    Subclasses change the residual stream through `block`, `widen` and `narrow`.
+    """
+
+    block = Block
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-        self.layers = stacked(cfg.n_layers, lambda r: Block(cfg, r), rngs)
+        self.layers = stacked(cfg.n_layers, lambda r: self.block(cfg, r), rngs)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
@@ -42,9 +53,17 @@ class Llama(nnx.Module):
         dtype = jnp.dtype(cfg.compute_dtype)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
         rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
-        x = scan_layers(self.layers, x, rope, remat=cfg.remat, unroll=cfg.scan_unroll)
+        x = self.narrow(scan_layers(self.layers, self.widen(x), rope, remat=cfg.remat, unroll=cfg.scan_unroll))
         head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         return (self.norm(x) @ head.astype(dtype)).astype(jnp.float32)
+
+    def widen(self, x: jax.Array) -> jax.Array:
+        """The embedded tokens as the residual state the blocks carry."""
+        return x
+
+    def narrow(self, state: jax.Array) -> jax.Array:
+        """The residual state back to (batch, seq, d_model) for the final norm."""
+        return state
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:

@@ -24,6 +24,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "layers": (),
     "seq": (),
+    "streams": (),  # mHC's residual streams and their mixing coefficients
 }
 
 
