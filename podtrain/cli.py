@@ -30,6 +30,13 @@ def _doctor(args) -> None:
     doctor(_config(args))
 
 
+def _data(args) -> None:
+    from podtrain.data import sudoku
+
+    meta = sudoku.build(args.out, args.source, args.train, args.test, args.givens, args.min_rating, args.augment, args.seed, args.csv)
+    print(f"[podtrain] wrote {meta['train']:,} train and {meta['test']:,} test puzzles ({args.source}) to {args.out}")
+
+
 def _launch(args) -> int:
     from podtrain.tools.launch import launch
 
@@ -82,6 +89,20 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     d.set_defaults(func=_doctor)
 
+    da = sub.add_parser("data", help="build datasets")
+    kinds = da.add_subparsers(dest="dataset", required=True)
+    su = kinds.add_parser("sudoku", help="Sudoku train/test sets: generated offline, or Sudoku-Extreme from the HF hub or local CSVs")
+    su.add_argument("--out", required=True, help="output folder (train.npz, test.npz, meta.json)")
+    su.add_argument("--source", choices=("generate", "hub", "csv"), default="generate", help="generate puzzles here (default), download sapientinc/sudoku-extreme, or read --csv")
+    su.add_argument("--csv", help="folder with train.csv and test.csv in the Sudoku-Extreme format (for --source csv)")
+    su.add_argument("--train", type=int, default=1000, help="training puzzles before augmentation")
+    su.add_argument("--test", type=int, default=200, help="test puzzles")
+    su.add_argument("--givens", type=int, default=30, help="clues per generated puzzle (more is easier; unique puzzles need >= 17)")
+    su.add_argument("--min-rating", type=int, default=0, help="keep puzzles whose solver backtracks at least this often (harder)")
+    su.add_argument("--augment", type=int, default=0, help="augmented copies of each training puzzle")
+    su.add_argument("--seed", type=int, default=0)
+    su.set_defaults(func=_data)
+
     la = sub.add_parser(
         "launch",
         help="run a command as several processes of one job on this machine",
@@ -112,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("train", "generate", "plot", "doctor", "launch")
+COMMANDS = ("train", "generate", "plot", "doctor", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -70,6 +70,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     grad_accum: int = 1
+    ema: float = 0.0  # decay of an exponential moving average of the weights (e.g. 0.999); 0 for none
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
@@ -234,6 +235,8 @@ def validate(cfg: Config) -> None:
     for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll", "model.mhc.streams", "model.mhc.sinkhorn_iters"):
         if OmegaConf.select(tree, key) < 1:
             raise ConfigError(f"Config key `{key}` must be at least 1.")
+    if not 0 <= t.ema < 1:
+        raise ConfigError(f"train.ema={t.ema} must be in [0, 1): the EMA decay per step (e.g. 0.999), or 0 for no EMA.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
     if m.mhc.projection == "permutations" and m.mhc.streams > 4:

@@ -53,7 +53,8 @@ def test_config_is_written_resolved(tmp_path, small_overrides):
     import yaml
 
     run = tmp_path / "run"
-    main(["train", *[o for o in small_overrides if "compute_dtype" not in o], f"run_dir={run}", "train.steps=1", "train.eval_batches=1"])
+    main(["train", *[o for o in small_overrides if "compute_dtype" not in o], f"run_dir={run}", "train.steps=1", "train.eval_batches=1", "train.ema=0.9"])
     saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["train"]["ema"] == 0.9 and (run / "checkpoints" / "1" / "ema").is_dir()
     assert saved["model"]["compute_dtype"] == "float32" and saved["model"]["attention"] == "xla"
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1

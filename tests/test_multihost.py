@@ -52,7 +52,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     one_device = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     setup = train_setup(cfg, one_device)
     checkpointer = Checkpointer(run / "checkpoints")
-    restored = checkpointer.restore(setup.fns.abstract_params)["params"]
+    restored = checkpointer.restore({"params": setup.fns.abstract_params})["params"]
     checkpointer.close()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-5), restored, params)
 

@@ -37,3 +37,15 @@ def test_grad_accumulation_on_a_mesh(small_overrides):
     full, _ = run_steps(small_overrides + ["mesh.data=1"], n_devices=1)
     accum, _ = run_steps(small_overrides + ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=4"], n_devices=8)
     np.testing.assert_allclose(accum, full, rtol=0, atol=1e-5)
+
+
+def test_ema_follows_the_weights(small_overrides):
+    from helpers import trainer
+
+    state, step, batches = trainer(small_overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.ema=0.75"], n_devices=8)
+    expected = jax.device_get(state["ema"])
+    for i in range(2):
+        state, _ = step(state, batches[i])
+        expected = jax.tree.map(lambda e, p: 0.75 * e + 0.25 * p, expected, jax.device_get(state["params"]))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), jax.device_get(state["ema"]), expected)
+    assert state["ema"]["embed"].sharding == state["params"]["embed"].sharding

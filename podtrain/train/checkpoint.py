@@ -1,6 +1,7 @@
-"""Async, sharded orbax checkpoints of params and optimizer state under CHECKPOINT_DIR/<step>.
+"""Async, sharded orbax checkpoints of the train state under CHECKPOINT_DIR/<step>.
 
-Params and optimizer state are separate items, so `generate` can restore params alone.
+Each entry of the state besides the step (params, opt, and ema when enabled) is its own item,
+so `generate` can restore the weights alone.
 Restoring into abstract arrays with shardings places each shard directly on its device, on
 whatever mesh the restoring job uses.
 """
@@ -26,16 +27,15 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, state: dict) -> None:
-        self.manager.save(int(jax.device_get(state["step"])), args=ocp.args.Composite(params=ocp.args.StandardSave(state["params"]), opt=ocp.args.StandardSave(state["opt"])))
+        items = {name: ocp.args.StandardSave(tree) for name, tree in state.items() if name != "step"}
+        self.manager.save(int(jax.device_get(state["step"])), args=ocp.args.Composite(**items))
 
-    def restore(self, abstract_params, abstract_opt=None) -> dict:
-        """The latest {"step", "params"} and, given abstract_opt, "opt", onto the abstract shardings."""
+    def restore(self, abstract: dict) -> dict:
+        """The latest step and the items named in `abstract` (e.g. {"params": ...}), onto its shardings."""
         step = self.latest_step()
         if step is None:
             raise CheckpointError(f"No checkpoint in {self.manager.directory}; train first (podtrain train ... run_dir=...).")
-        items = {"params": ocp.args.StandardRestore(abstract_params)}
-        if abstract_opt is not None:
-            items["opt"] = ocp.args.StandardRestore(abstract_opt)
+        items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError, TypeError) as e:
@@ -43,7 +43,7 @@ class Checkpointer:
                 f"The checkpoint at step {step} in {self.manager.directory} does not fit this model ({str(e).splitlines()[0][:300]}). "
                 "Use the config it was trained with, or a new run_dir."
             ) from None
-        mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
+        mesh = jax.tree.leaves(abstract)[0].sharding.mesh
         state = {name: restored[name] for name in items}
         state["step"] = jax.device_put(jnp.int32(step), NamedSharding(mesh, PartitionSpec()))
         return state

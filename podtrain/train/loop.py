@@ -21,7 +21,7 @@ from podtrain.runtime.mesh import data_parallel_size
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.sample import sample
-from podtrain.train.state import init_state, train_setup
+from podtrain.train.state import init_state, train_setup, weights
 from podtrain.train.step import batch_sharding, make_eval_step, make_train_step
 
 BYTE_VOCAB = 256
@@ -59,7 +59,7 @@ def train(cfg: Config) -> dict:
     setup = train_setup(cfg, rt.mesh)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     resumed = checkpointer.latest_step()
-    state = init_state(setup, cfg.seed) if resumed is None else checkpointer.restore(setup.abstract_state["params"], setup.abstract_state["opt"])
+    state = init_state(setup, cfg.seed) if resumed is None else checkpointer.restore({k: v for k, v in setup.abstract_state.items() if k != "step"})
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -115,7 +115,7 @@ def train(cfg: Config) -> dict:
                     progress.console.print(f"step {done:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}" + (f"  {tps:,.0f} tok/s" if tps else ""))
                     window_start, clock = done, time.perf_counter()
                 if done % t.eval_every == 0 or done == t.steps:
-                    last["val_loss"] = evaluate(state["params"])
+                    last["val_loss"] = evaluate(weights(state))
                     log.write({"step": done, "val_loss": last["val_loss"]}, prefix="eval")
                     progress.console.print(f"step {done:>6}  val_loss {last['val_loss']:.4f}")
                 if done % cfg.checkpoint.every == 0 or done == t.steps:
@@ -128,6 +128,6 @@ def train(cfg: Config) -> dict:
         log.close()
     console.print(f"[podtrain] done: step {t.steps}, val_loss {last['val_loss']:.4f}, checkpoint in {cfg.checkpoint_dir}")
     if t.sample_tokens:
-        text = sample(setup.fns, state["params"], "The ", t.sample_tokens, 0.8, t.seq_len, cfg.seed)  # on every process: params span them all
+        text = sample(setup.fns, weights(state), "The ", t.sample_tokens, 0.8, t.seq_len, cfg.seed)  # on every process: params span them all
         console.print("[podtrain] sample:\n" + "The " + text)
     return last

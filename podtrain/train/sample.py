@@ -41,7 +41,8 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
 
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0) -> str:
-    """Sample from the latest checkpoint of a run, on this machine's devices (params replicated)."""
+    """Sample from the latest checkpoint of a run (its EMA weights where it kept them), on this
+    machine's devices with the params replicated."""
     config_path = Path(run_dir) / "config.yaml"
     if not config_path.is_file():
         raise CheckpointError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
@@ -50,6 +51,7 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperatur
     cfg = resolve_auto(cfg, rt.platform)
     fns = model_fns(cfg, rt.mesh)
     checkpointer = Checkpointer(cfg.checkpoint_dir)
-    params = checkpointer.restore(fns.abstract_params)["params"]
+    name = "ema" if cfg.train.ema else "params"
+    params = checkpointer.restore({name: fns.abstract_params})[name]
     checkpointer.close()
     return sample(fns, params, prompt, max_new_tokens, temperature, cfg.train.seq_len, seed)

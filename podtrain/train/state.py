@@ -1,6 +1,6 @@
 """The model as pure functions of a params tree, and the sharded train state.
 
-State is a plain dict {"step", "params", "opt"} of arrays, each placed on the mesh by the
+State is a plain dict {"step", "params", "opt"} (and "ema" with train.ema > 0) of arrays, each placed on the mesh by the
 logical-axis rules when it is created (jit with out_shardings), so no device ever holds more
 than its shard, even at initialisation.
 """
@@ -77,11 +77,22 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, shardings_of(fns.abstract_params), transform_non_params=lambda _: replicated)
     abstract_opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    return TrainSetup(fns, tx, {"step": step, "params": fns.abstract_params, "opt": abstract_opt})
+    state = {"step": step, "params": fns.abstract_params, "opt": abstract_opt}
+    if cfg.train.ema:
+        state["ema"] = fns.abstract_params
+    return TrainSetup(fns, tx, state)
 
 
 def init_state(setup: TrainSetup, seed: int) -> dict:
     params = setup.fns.init(jax.random.key(seed))
     opt = jax.jit(setup.tx.init, out_shardings=shardings_of(setup.abstract_state["opt"]))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), setup.abstract_state["step"].sharding)
-    return {"step": step, "params": params, "opt": opt}
+    state = {"step": step, "params": params, "opt": opt}
+    if "ema" in setup.abstract_state:
+        state["ema"] = jax.tree.map(jnp.copy, params)  # own buffers: the step donates both
+    return state
+
+
+def weights(state: dict):
+    """The weights to evaluate and sample with: the EMA where the run keeps one."""
+    return state.get("ema", state["params"])

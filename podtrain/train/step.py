@@ -45,6 +45,8 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh):
         loss, grads = jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
         updates, opt = tx.update(grads, state["opt"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt": opt}
+        if "ema" in state:
+            new_state["ema"] = optax.incremental_update(new_state["params"], state["ema"], step_size=1 - cfg_train.ema)
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
 
     state_shardings = shardings_of(setup.abstract_state)
