@@ -30,6 +30,21 @@ class MhcConfig:
 
 
 @dataclass
+class RecursiveConfig:
+    """HRM / TRM recursion, under the names of their reference configs."""
+
+    H_cycles: int = 3
+    L_cycles: int = 6
+    H_layers: int = 0  # HRM's high-level module; TRM has one network (L_layers) for both updates
+    L_layers: int = 2
+    halt_max_steps: int = 16
+    halt_exploration_prob: float = 0.1
+    puzzle_emb_len: int = 16  # sequence positions in front of the puzzle for its learned embedding
+    num_puzzle_ids: int = 1  # one shared puzzle embedding for Sudoku
+    mlp_t: bool = False  # TRM: an MLP across the sequence instead of attention (the Sudoku variant)
+
+
+@dataclass
 class ModelConfig:
     name: str = "llama"
     vocab_size: int = 256
@@ -48,6 +63,8 @@ class ModelConfig:
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
     mhc: MhcConfig = field(default_factory=MhcConfig)  # used by model.name=mhc
+    hrm: RecursiveConfig = field(default_factory=lambda: RecursiveConfig(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4, puzzle_emb_len=1))
+    trm: RecursiveConfig = field(default_factory=RecursiveConfig)
 
 
 @dataclass
@@ -143,7 +160,7 @@ def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the schema, e.g. `train.lr`."""
     keys = []
     for f in dataclasses.fields(node):
-        section = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        section = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         keys += all_keys(section, f"{prefix}{f.name}.") if dataclasses.is_dataclass(section) else [prefix + f.name]
     return keys
 
@@ -247,7 +264,7 @@ def validate(cfg: Config) -> None:
 
 def tiny_model_overrides() -> list[str]:
     """`--use-small-model`: the model dimensions of the embedded tiny job."""
-    return [f"model.{k}={v}" for k, v in dataclasses.asdict(ModelConfig()).items() if k not in ("name", "mhc")]
+    return [f"model.{k}={v}" for k, v in dataclasses.asdict(ModelConfig()).items() if k != "name" and not isinstance(v, dict)]
 
 
 def to_yaml(cfg: Config) -> str:

@@ -16,15 +16,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: fl
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False)
 
 
+def rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, computed in float32; no learned scale."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return (rms_norm(x, self.eps) * self.scale[...]).astype(x.dtype)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -42,9 +46,9 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads query heads."""
+    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, std: float, out_std: float, dtype, implementation: str, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, std: float, out_std: float, dtype, implementation: str, rngs: nnx.Rngs, causal: bool = True):
         head_dim = d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
@@ -52,19 +56,22 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
         self.dtype = dtype
         self.implementation = None if implementation == "auto" else implementation
+        self.causal = causal
 
     def __call__(self, x: jax.Array, rope) -> jax.Array:
         q, k, v = (jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.implementation)
         return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(self.dtype))
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, dtype, rngs: nnx.Rngs):
-        self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), std)
-        self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), std)
-        self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
+    """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis`."""
+
+    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, dtype, rngs: nnx.Rngs, axis: str = "embed"):
+        self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
+        self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
+        self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:

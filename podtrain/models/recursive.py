@@ -1,0 +1,149 @@
+"""Recursive reasoning models for puzzles: HRM and TRM, one forward pass = one supervision segment.
+
+Both read a puzzle (batch, seq) of tokens plus a puzzle id, and carry a latent state from one
+segment to the next; the training layer runs segments (deep supervision, ACT) and detaches the
+carry between them. The input x is the token embedding scaled by sqrt(d), behind `puzzle_emb_len`
+positions whose first holds the learned (zero-initialised) puzzle embedding.
+
+HRM (Wang et al. 2025, sapientinc/HRM): a low-level module L and a high-level module H, each a
+stack of post-norm transformer blocks that first add their input injection:
+    repeat H_cycles:  (repeat L_cycles: z_L <- L(z_L, z_H + x));  z_H <- H(z_H, z_L)
+Only the last L update and the last H update get gradients (the one-step gradient).
+
+TRM (Jolicoeur-Martineau 2025, SamsungSAILMontreal/TinyRecursiveModels): one network for both
+updates, with y (the answer) in z_H's role and z (the latent) in z_L's:
+    repeat H_cycles:  (repeat L_cycles: z <- net(z, y + x));  y <- net(y, z)
+and all but the last of the H_cycles run without gradients. `mlp_t` replaces attention by a
+SwiGLU across the sequence axis (the Sudoku variant, no positional encoding).
+
+Outputs: the carry (detached), logits of the puzzle cells read from z_H / y, and the Q-head's
+(halt, continue) logits read from position 0 (weight 0, bias -5 at init).
+
+Departures from the references: linear layers start normal with std 1/sqrt(fan_in) rather
+than truncated normal; the initial states z_H, z_L are drawn from a fixed key at each call
+(truncated normal, std 1) instead of being stored as buffers, which is the same constant
+without a checkpoint entry; the puzzle embedding is an ordinary parameter trained by the main
+optimizer (the references use a sparse embedding with SignSGD), and parameter counts below
+leave it out as the references' counts do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.config import ModelConfig, RecursiveConfig
+from podtrain.models.layers import Attention, SwiGLU, param, rms_norm, rope_tables, scan_layers, stacked
+
+INIT_KEY = 1234  # the fixed draw of the initial states
+
+
+def _swiglu_width(dim: int, expansion: float = 4) -> int:
+    """The references' SwiGLU width: 2/3 of expansion x dim, rounded up to a multiple of 256."""
+    return -(-round(expansion * dim * 2 / 3) // 256) * 256
+
+
+class ReasoningBlock(nnx.Module):
+    """Post-norm block: h <- norm(h + mix(h)); h <- norm(h + mlp(h)), with mix attention or a token MLP."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
+        d, dtype = cfg.d_model, jnp.dtype(cfg.compute_dtype)
+        self.eps = cfg.norm_eps
+        if mlp_t:
+            width = _swiglu_width(seq_len)
+            self.token_mlp = SwiGLU(seq_len, width, std=seq_len**-0.5, out_std=width**-0.5, dtype=dtype, rngs=rngs, axis="seq")
+        else:
+            self.attn = Attention(d, cfg.n_heads, cfg.n_heads, std=d**-0.5, out_std=d**-0.5, dtype=dtype, implementation=cfg.attention, rngs=rngs, causal=False)
+        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h: jax.Array, rope) -> jax.Array:
+        if hasattr(self, "token_mlp"):  # normalised over the sequence, as in the reference
+            t = h.swapaxes(1, 2)
+            h = rms_norm(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
+        else:
+            h = rms_norm(h + self.attn(h, rope), self.eps).astype(h.dtype)
+        return rms_norm(h + self.mlp(h), self.eps).astype(h.dtype)
+
+
+class ReasoningModule(nnx.Module):
+    """A stack of blocks that first adds its input injection: f(h, injection)."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
+        self.layers = stacked(n_layers, lambda r: ReasoningBlock(cfg, seq_len, mlp_t, r), rngs)
+        self.remat, self.unroll = cfg.remat, cfg.scan_unroll
+
+    def __call__(self, h: jax.Array, injection: jax.Array, rope) -> jax.Array:
+        return scan_layers(self.layers, h + injection, rope, remat=self.remat, unroll=self.unroll)
+
+
+class RecursiveReasoner(nnx.Module):
+    """What HRM and TRM share: embeddings, heads, initial states. Subclasses define `recurse`."""
+
+    def __init__(self, cfg: ModelConfig, r: RecursiveConfig, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.cfg, self.r = cfg, r
+        self.length = cfg.max_seq_len + r.puzzle_emb_len
+        self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
+        self.puzzle_emb = nnx.Param(jnp.zeros((r.num_puzzle_ids, d), jnp.float32), out_sharding=(None, "embed"), eager_sharding=False)
+        self.head = param(rngs, (d, cfg.vocab_size), ("embed", "vocab"), d**-0.5)
+        self.q_head = nnx.Param(jnp.zeros((d, 2), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
+        self.q_bias = nnx.Param(jnp.full((2,), -5.0, jnp.float32), out_sharding=(None,), eager_sharding=False)
+
+    def initial_carry(self, batch: int) -> tuple[jax.Array, jax.Array]:
+        """(z_H, z_L): the same fixed truncated-normal vector at every position of every puzzle."""
+        h, low = jax.random.truncated_normal(jax.random.key(INIT_KEY), -2.0, 2.0, (2, self.cfg.d_model)) / 0.8796  # std 1 after truncation
+        shape, dtype = (batch, self.length, self.cfg.d_model), jnp.dtype(self.cfg.compute_dtype)
+        return jnp.broadcast_to(h, shape).astype(dtype), jnp.broadcast_to(low, shape).astype(dtype)
+
+    def inputs(self, tokens: jax.Array, puzzle_ids: jax.Array) -> jax.Array:
+        cfg, d = self.cfg, self.cfg.d_model
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        puzzle = jnp.take(self.puzzle_emb[...], puzzle_ids, axis=0)[:, None, :]
+        front = jnp.concatenate([puzzle, jnp.zeros((len(tokens), self.r.puzzle_emb_len - 1, d), x.dtype)], axis=1)
+        return (math.sqrt(d) * jnp.concatenate([front, x], axis=1)).astype(jnp.dtype(cfg.compute_dtype))
+
+    def __call__(self, carry, tokens: jax.Array, puzzle_ids: jax.Array):
+        """One segment: (carry, logits (batch, seq, vocab), q (batch, 2) = halt, continue logits)."""
+        x = self.inputs(tokens, puzzle_ids)
+        rope = None if self.r.mlp_t else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        z_h, z_l = self.recurse(*carry, x, rope)
+        dtype = z_h.dtype
+        logits = (z_h[:, self.r.puzzle_emb_len :] @ self.head[...].astype(dtype)).astype(jnp.float32)
+        q = z_h[:, 0].astype(jnp.float32) @ self.q_head[...] + self.q_bias[...]
+        return jax.lax.stop_gradient((z_h, z_l)), logits, q
+
+
+class HRM(RecursiveReasoner):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, cfg.hrm, rngs)
+        self.high = ReasoningModule(cfg, cfg.hrm.H_layers, self.length, False, rngs)
+        self.low = ReasoningModule(cfg, cfg.hrm.L_layers, self.length, False, rngs)
+
+    def recurse(self, z_h, z_l, x, rope):
+        r = self.r
+        for step in range(r.H_cycles * r.L_cycles - 1):  # without gradients
+            z_l = self.low(z_l, z_h + x, rope)
+            if (step + 1) % r.L_cycles == 0:
+                z_h = self.high(z_h, z_l, rope)
+        z_h, z_l = jax.lax.stop_gradient((z_h, z_l))
+        z_l = self.low(z_l, z_h + x, rope)  # the one-step gradient
+        return self.high(z_h, z_l, rope), z_l
+
+
+class TRM(RecursiveReasoner):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, cfg.trm, rngs)
+        self.net = ReasoningModule(cfg, cfg.trm.L_layers, self.length, cfg.trm.mlp_t, rngs)
+
+    def recurse(self, y, z, x, rope):
+        def cycle(y, z):
+            for _ in range(self.r.L_cycles):
+                z = self.net(z, y + x, rope)
+            return self.net(y, z, rope), z
+
+        for _ in range(self.r.H_cycles - 1):  # without gradients
+            y, z = jax.lax.stop_gradient(cycle(y, z))
+        return cycle(y, z)
