@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, generate, plot, doctor, launch."""
+"""The `podtrain` command: train, generate, plot, doctor, launch, data."""
 
 from __future__ import annotations
 
@@ -43,12 +43,10 @@ def _launch(args) -> int:
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     if not command:
         raise ConfigError("Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`.")
-    log_dir = args.log_dir
+    log_dir = args.log_dir or (Path(_config(_parse(command)).run_dir) / "logs" if command[0] == "train" else "runs/launch")
     if command[0] in COMMANDS:
-        inner = _parse(command)
-        log_dir = log_dir or (Path(_config(inner).run_dir) / "logs" if command[0] == "train" else None)
         command = [sys.executable, "-m", "podtrain", *command]
-    return launch(command, args.nproc, Path(log_dir or "runs/launch"), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator)
+    return launch(command, args.nproc, Path(log_dir), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator)
 
 
 def _generate(args) -> None:
