@@ -40,7 +40,8 @@ def test_permutation_mixture_is_exactly_doubly_stochastic():
     assert_doubly_stochastic(permutation_mixture(jax.random.normal(jax.random.key(2), (16, 24)) * 1e4, 4), atol=1e-6)
 
 
-def _logits(overrides, params_from=None):
+def _model(overrides):
+    """(model functions, initial params, tokens) on one device."""
     cfg = load_config(None, overrides)
     fns = model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
@@ -49,8 +50,8 @@ def _logits(overrides, params_from=None):
 
 
 def test_one_stream_with_identity_mixing_is_llama():
-    llama, llama_params, tokens = _logits(SMALL)
-    mhc, params, _ = _logits(SMALL + ["model.name=mhc", "model.mhc.streams=1"])
+    llama, llama_params, tokens = _model(SMALL)
+    mhc, params, _ = _model(SMALL + ["model.name=mhc", "model.mhc.streams=1"])
     shared = {k: v for k, v in llama_params.items() if k != "layers"}
     layers = {**params["layers"], **llama_params["layers"]}
     for mixer in ("attn_mix", "mlp_mix"):

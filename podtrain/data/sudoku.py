@@ -201,12 +201,15 @@ def augmented(puzzles: np.ndarray, sols: np.ndarray, copies: int, seed: int) -> 
     return SudokuSet(tokens(np.concatenate(out_p)), tokens(np.concatenate(out_s)))
 
 
-def save(directory: str | Path, train: SudokuSet, test: SudokuSet, meta: dict) -> None:
+def save(directory: str | Path, train: SudokuSet, test: SudokuSet, meta: dict) -> dict:
+    """Write the two splits and meta.json; returns the metadata written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for name, split in (("train", train), ("test", test)):
         np.savez_compressed(directory / f"{name}.npz", inputs=split.inputs, labels=split.labels)
-    (directory / "meta.json").write_text(json.dumps({**meta, "train": len(train.inputs), "test": len(test.inputs), "vocab_size": VOCAB, "seq_len": 81}, indent=1))
+    meta = {**meta, "train": len(train.inputs), "test": len(test.inputs), "vocab_size": VOCAB, "seq_len": 81}
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
 
 
 def load(directory: str | Path, split: str) -> SudokuSet:
@@ -233,5 +236,4 @@ def build(out: str | Path, source: str, n_train: int, n_test: int, givens: int, 
         train = read_csv(files["train"], n_train, min_rating, seed)
         test = read_csv(files["test"], n_test, min_rating, seed + 1)
     meta = {"source": source, "givens": givens if source == "generate" else None, "min_rating": min_rating, "augmentations": copies, "seed": seed}
-    save(out, augmented(*train, copies, seed), augmented(*test, 0, seed), meta)
-    return json.loads((Path(out) / "meta.json").read_text())
+    return save(out, augmented(*train, copies, seed), augmented(*test, 0, seed), meta)
