@@ -39,6 +39,7 @@ class RecursiveConfig:
     L_layers: int = 2
     halt_max_steps: int = 16
     halt_exploration_prob: float = 0.1
+    no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
     puzzle_emb_len: int = 16  # sequence positions in front of the puzzle for its learned embedding
     num_puzzle_ids: int = 1  # one shared puzzle embedding for Sudoku
     mlp_t: bool = False  # TRM: an MLP across the sequence instead of attention (the Sudoku variant)
@@ -63,7 +64,7 @@ class ModelConfig:
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
     mhc: MhcConfig = field(default_factory=MhcConfig)  # used by model.name=mhc
-    hrm: RecursiveConfig = field(default_factory=lambda: RecursiveConfig(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4, puzzle_emb_len=1))
+    hrm: RecursiveConfig = field(default_factory=lambda: RecursiveConfig(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4, puzzle_emb_len=1, no_ACT_continue=False))
     trm: RecursiveConfig = field(default_factory=RecursiveConfig)
 
 
@@ -104,7 +105,7 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "pydoc"  # pydoc (the English docs every CPython ships) | text (data.path)
+    source: str = "pydoc"  # pydoc (the English docs every CPython ships) | text (data.path) | sudoku (data.path: `podtrain data sudoku --out DIR`)
     path: str | None = None
     val_fraction: float = 0.1
 
@@ -137,7 +138,7 @@ CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn"),
     "model.mhc.projection": ("sinkhorn", "permutations"),
-    "data.source": ("pydoc", "text"),
+    "data.source": ("pydoc", "text", "sudoku"),
 }
 
 # Flags from the setup guides, each an alias of one config key.
@@ -260,6 +261,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.mhc.projection=permutations mixes all {m.mhc.streams}! permutations of the streams; use model.mhc.streams<=4 or projection=sinkhorn.")
     if cfg.data.source == "text" and not cfg.data.path:
         raise ConfigError("data.source=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files).")
+    if cfg.data.source == "sudoku" and not cfg.data.path:
+        raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
+    for key in ("model.hrm", "model.trm"):
+        r = OmegaConf.select(tree, key)
+        if r.halt_max_steps < 1 or r.H_cycles < 1 or r.L_cycles < 1 or r.puzzle_emb_len < 1:
+            raise ConfigError(f"{key}.H_cycles, L_cycles, halt_max_steps and puzzle_emb_len must each be at least 1.")
 
 
 def tiny_model_overrides() -> list[str]:

@@ -4,22 +4,17 @@ import jax
 import numpy as np
 
 from podtrain.config import load_config
-from podtrain.data.loader import BatchReader, train_windows
-from podtrain.data.text import load_tokens
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.state import init_state, train_setup
-from podtrain.train.step import batch_sharding, make_train_step
+from podtrain.train.loop import make_task
+from podtrain.train.state import train_setup
 
 
 def trainer(overrides, n_devices):
     """(initial state, jitted step, batches) for the config and mesh in `overrides`."""
     cfg = load_config(None, overrides)
     mesh = build_mesh(cfg.mesh, jax.devices()[:n_devices])
-    setup = train_setup(cfg, mesh)
-    t = cfg.train
-    windows = train_windows(load_tokens(cfg.data)[0], t.seq_len, t.batch_size, cfg.seed)
-    batches = BatchReader(windows, batch_sharding(mesh, leading=1), (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1), axis=1)
-    return init_state(setup, cfg.seed), make_train_step(setup, t, mesh), batches
+    task = make_task(cfg, train_setup(cfg, mesh), mesh)
+    return task.init_state(), task.step, task.batches
 
 
 def run_steps(overrides, n_devices, n_steps=3):

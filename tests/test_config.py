@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from podtrain.cli import parser
-from podtrain.config import Config, MeshConfig, load_config, mesh_from_env
+from podtrain.config import Config, MeshConfig, load_config, mesh_from_env, resolve_auto
 from podtrain.errors import ConfigError, MeshError
 from podtrain.runtime.mesh import resolve_shape
 
@@ -61,29 +61,38 @@ def test_mesh_minus_one_takes_the_rest():
         resolve_shape(MeshConfig(3, 2, 1), 8)
 
 
-def test_llama_7b_recipe_has_7b_parameters():
+def recipe(name):
+    """The recipe's config and its parameter count, from shapes alone."""
     import jax
     from flax import nnx
 
     from podtrain.models import build_model
 
-    cfg = load_config(CONFIGS / "llama_7b.yaml")
+    cfg = resolve_auto(load_config(CONFIGS / name), "cpu")
     model = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0)))
-    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-    assert abs(n - 6.738e9) / 6.738e9 < 0.001  # Llama-2-7B: 6,738,415,616
-    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (4, 4, 2)
+    return cfg, sum(x.size for x in jax.tree.leaves(nnx.state(model)))
 
 
-def test_mhc_3b_recipe_has_3b_parameters():
-    import jax
-    from flax import nnx
+@pytest.mark.parametrize(
+    "name,reference,tolerance",
+    [
+        ("llama_7b.yaml", 6_738_415_616, 0.001),  # Llama-2-7B
+        ("mhc_3b.yaml", 3.0e9, 0.05),  # 3,036,658,098
+        ("hrm_sudoku.yaml", 27_275_266, 0.05),  # the papers' counts, +512 for the puzzle embedding
+        ("trm_sudoku.yaml", 5_028_866, 0.05),
+        ("trm_sudoku_pod.yaml", 5_028_866, 0.05),
+    ],
+)
+def test_recipe_has_its_reference_size(name, reference, tolerance):
+    n = recipe(name)[1]
+    assert abs(n - reference) / reference < tolerance, n
 
-    from podtrain.models import build_model
 
-    cfg = load_config(CONFIGS / "mhc_3b.yaml")
-    model = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0)))
-    n = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
-    assert abs(n - 3.0e9) / 3.0e9 < 0.05, n  # 3,036,658,098
-    assert (cfg.model.vocab_size, cfg.train.batch_size, cfg.model.mhc.streams) == (49152, 32, 4)
-    assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (2, 2, 2)
+def test_recipes_keep_their_setup():
+    llama, mhc, trm, pod = (load_config(CONFIGS / f) for f in ("llama_7b.yaml", "mhc_3b.yaml", "trm_sudoku.yaml", "trm_sudoku_pod.yaml"))
+    assert (llama.mesh.data, llama.mesh.fsdp, llama.mesh.tensor) == (4, 4, 2)
+    assert (mhc.model.vocab_size, mhc.train.batch_size, mhc.model.mhc.streams) == (49152, 32, 4)
+    assert (mhc.mesh.data, mhc.mesh.fsdp, mhc.mesh.tensor) == (2, 2, 2)
     assert load_config(CONFIGS / "mhc_tiny.yaml").model.name == "mhc"
+    assert (trm.train.batch_size, trm.train.ema, trm.model.trm.mlp_t) == (768, 0.999, True)
+    assert (pod.train.batch_size, pod.mesh.data, pod.model) == (6144, -1, trm.model)

@@ -16,14 +16,12 @@ from conftest import SMALL
 from helpers import run_steps
 
 from podtrain.config import MeshConfig, load_config
-from podtrain.data.loader import BatchReader, eval_windows
-from podtrain.data.text import load_tokens
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.loop import make_task
 from podtrain.train.metrics import read_metrics
 from podtrain.train.state import train_setup
-from podtrain.train.step import batch_sharding, make_eval_step
 
 TESTS = Path(__file__).parent
 # Children get their own fake device count from `launch`, and no stray cluster variables.
@@ -48,7 +46,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     losses, params = run_steps(overrides, n_devices=8)
     logged = [r["loss"] for r in read_metrics(run) if "loss" in r]
     np.testing.assert_allclose(logged, losses, rtol=0, atol=1e-5)
-    cfg = load_config(None, SMALL)
+    cfg = load_config(None, SMALL + ["train.eval_batches=1"])
     one_device = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     setup = train_setup(cfg, one_device)
     checkpointer = Checkpointer(run / "checkpoints")
@@ -57,10 +55,8 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-5), restored, params)
 
     # The logged eval loss is the mean over the whole batch, whichever process held which rows.
-    t = cfg.train
-    val = BatchReader(eval_windows(load_tokens(cfg.data)[1], t.seq_len, t.batch_size, 1), batch_sharding(one_device), (t.batch_size, t.seq_len + 1), axis=0)
     logged_val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
-    np.testing.assert_allclose(logged_val, [float(make_eval_step(setup, one_device)(restored, val[0]))], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(logged_val, [make_task(cfg, setup, one_device).evaluate(restored)["val_loss"]], rtol=0, atol=1e-5)
 
 
 def test_each_process_reads_its_own_rows(tmp_path):

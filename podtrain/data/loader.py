@@ -1,6 +1,6 @@
-"""Windows of seq_len + 1 tokens, shuffled each epoch by grain, read per process, placed on the mesh.
+"""Examples (windows of seq_len + 1 tokens, or puzzles), shuffled each epoch by grain, read per process, placed on the mesh.
 
-Datasets are random-access over windows: example i of batch b is window b * examples_per_batch + i,
+Datasets are random-access over examples: example i of batch b is b * examples_per_batch + i,
 so a resumed run reads exactly the batches it would have read without stopping, and each process
 reads only the rows its own devices hold. `jax.make_array_from_process_local_data` joins the
 processes' rows into one global batch.
@@ -32,16 +32,24 @@ def _window(tokens: np.ndarray, seq_len: int):
     return lambda i: tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int32)
 
 
+def shuffled(n: int, seed: int, example) -> grain.MapDataset:
+    """Infinite random-access dataset of example(i) for i < n, reshuffled every epoch."""
+    return grain.MapDataset.range(n).shuffle(seed=seed).repeat().map(example)
+
+
+def in_order(n: int, batch_size: int, max_batches: int, example) -> grain.MapDataset:
+    """example(i) for the first of n in at most max_batches full batches: the same every evaluation."""
+    return grain.MapDataset.range(min(max_batches, n // batch_size) * batch_size).map(example)
+
+
 def train_windows(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
     """Infinite random-access dataset of (seq_len + 1,) int32 windows, reshuffled every epoch."""
-    n = _count_windows(tokens, seq_len, batch_size, "train")
-    return grain.MapDataset.range(n).shuffle(seed=seed).repeat().map(_window(tokens, seq_len))
+    return shuffled(_count_windows(tokens, seq_len, batch_size, "train"), seed, _window(tokens, seq_len))
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> grain.MapDataset:
-    """The consecutive windows of at most max_batches full batches: the same every evaluation."""
-    n_batches = min(max_batches, _count_windows(tokens, seq_len, batch_size, "validation") // batch_size)
-    return grain.MapDataset.range(n_batches * batch_size).map(_window(tokens, seq_len))
+    """The consecutive windows of at most max_batches full batches."""
+    return in_order(_count_windows(tokens, seq_len, batch_size, "validation"), batch_size, max_batches, _window(tokens, seq_len))
 
 
 def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> np.ndarray:

@@ -189,6 +189,14 @@ class SudokuSet:
     inputs: np.ndarray  # (n, 81) tokens of the puzzles
     labels: np.ndarray  # (n, 81) tokens of the solutions
 
+    def rows(self) -> np.ndarray:
+        """(n, 163) int32 examples: puzzle id (0: Sudoku shares one puzzle embedding), inputs, labels."""
+        return np.concatenate([np.zeros((len(self.inputs), 1), np.int32), self.inputs, self.labels], axis=1).astype(np.int32)
+
+    def copy_baseline(self) -> float:
+        """Cell accuracy of copying the puzzle: the givens are right, every blank is wrong."""
+        return float(np.mean(self.inputs == self.labels))
+
 
 def augmented(puzzles: np.ndarray, sols: np.ndarray, copies: int, seed: int) -> SudokuSet:
     """Each puzzle as given plus `copies` random transforms of it."""

@@ -6,9 +6,14 @@ from flax import nnx
 
 from podtrain.config import ModelConfig
 from podtrain.errors import ConfigError
-from podtrain.models import llama, mhc
+from podtrain.models import llama, mhc, recursive
 
-MODELS = {"llama": (llama.Llama, llama.flops_per_token), "mhc": (mhc.Mhc, mhc.flops_per_token)}
+MODELS = {
+    "llama": (llama.Llama, llama.flops_per_token),
+    "mhc": (mhc.Mhc, mhc.flops_per_token),
+    "hrm": (recursive.HRM, recursive.flops_per_token),
+    "trm": (recursive.TRM, recursive.flops_per_token),
+}
 
 
 def _lookup(name: str):
@@ -23,3 +28,8 @@ def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
     return _lookup(cfg.name)[1](cfg, n_params, seq_len)
+
+
+def is_reasoner(name: str) -> bool:
+    """Whether the model solves puzzles in supervision segments (HRM, TRM) rather than modelling text."""
+    return issubclass(_lookup(name)[0], recursive.RecursiveReasoner)

@@ -147,3 +147,20 @@ class TRM(RecursiveReasoner):
         for _ in range(self.r.H_cycles - 1):  # without gradients
             y, z = jax.lax.stop_gradient(cycle(y, z))
         return cycle(y, z)
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per puzzle cell of one supervision segment. A block pass costs 2 FLOPs per
+    matmul weight (the token MLP of mlp_t counts as 3·d·width weights per position) plus attention's
+    4·length·d; the backward of the passes with gradients costs twice their forward; HRM's target
+    Q-value repeats the segment's forward. All `length` positions are counted, per cell."""
+    r = cfg.hrm if cfg.name == "hrm" else cfg.trm
+    d, length = cfg.d_model, seq_len + r.puzzle_emb_len
+    mix = 3 * d * _swiglu_width(length) if r.mlp_t else 4 * d * d + 2 * length * d
+    block = 2 * (mix + 3 * d * cfg.d_ff)
+    if cfg.name == "hrm":
+        forward, with_grad = r.H_cycles * (r.L_cycles * r.L_layers + r.H_layers), r.L_layers + r.H_layers
+    else:
+        forward, with_grad = r.H_cycles * (r.L_cycles + 1) * r.L_layers, (r.L_cycles + 1) * r.L_layers
+    passes = forward * (1 if r.no_ACT_continue else 2) + 2 * with_grad
+    return block * passes * length / seq_len + 6 * d * cfg.vocab_size

@@ -7,24 +7,19 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
 from podtrain.config import Config, resolve_auto, save_config
-from podtrain.data.loader import BatchReader, eval_windows, train_windows
-from podtrain.data.text import load_tokens
-from podtrain.errors import ConfigError, DataError, TrainingDiverged
-from podtrain.models import flops_per_token
+from podtrain.errors import ConfigError, TrainingDiverged
+from podtrain.models import is_reasoner
 from podtrain.runtime.mesh import data_parallel_size
 from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.lm import LanguageTask
 from podtrain.train.metrics import MetricsLog
-from podtrain.train.sample import sample
-from podtrain.train.state import init_state, train_setup, weights
-from podtrain.train.step import batch_sharding, make_eval_step, make_train_step
-
-BYTE_VOCAB = 256
+from podtrain.train.reasoning import PuzzleTask
+from podtrain.train.state import train_setup, weights
 
 
 def _check_batch(cfg: Config, dp: int) -> None:
@@ -45,42 +40,38 @@ def _throughput(step_time: float | None, tokens_per_step: int, flops_per_step: f
     }
 
 
+def make_task(cfg: Config, setup, mesh) -> LanguageTask | PuzzleTask:
+    """The data, step and evaluation of the model's kind: text for language models, puzzles for reasoners."""
+    return (PuzzleTask if is_reasoner(cfg.model.name) else LanguageTask)(cfg, setup, mesh)
+
+
+def _fmt(metrics: dict) -> str:
+    return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+
+
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps, resuming from the run's latest checkpoint. Returns the last metrics."""
     rt = runtime.start(cfg)
     cfg = resolve_auto(cfg, rt.platform)
     t = cfg.train
     _check_batch(cfg, data_parallel_size(rt.mesh))
-    if cfg.model.vocab_size < BYTE_VOCAB:
-        raise DataError(f"Byte-level text has token ids up to {BYTE_VOCAB - 1}, out of range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size>={BYTE_VOCAB}.")
     run_dir = Path(cfg.run_dir)
-    train_tokens, val_tokens = load_tokens(cfg.data)
-
     setup = train_setup(cfg, rt.mesh)
+    task = make_task(cfg, setup, rt.mesh)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     resumed = checkpointer.latest_step()
-    state = init_state(setup, cfg.seed) if resumed is None else checkpointer.restore({k: v for k, v in setup.abstract_state.items() if k != "step"})
+    state = task.init_state() if resumed is None else checkpointer.restore({k: v for k, v in task.abstract_state.items() if k != "step"})
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"[podtrain] model {cfg.model.name}: {setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
-        f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens; "
+        f"{task.summary}; "
         + (f"resuming from step {resumed}" if resumed is not None else "starting from scratch")
     )
 
-    train_step, eval_step = make_train_step(setup, t, rt.mesh), make_eval_step(setup, rt.mesh)
-    micro = t.batch_size // t.grad_accum
-    batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(rt.mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
-    val = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(rt.mesh), (t.batch_size, t.seq_len + 1), axis=0)
-
-    def evaluate(params) -> float:
-        # Each loss is a mean over the global batch, reduced across all processes inside the step.
-        return float(np.mean([jax.device_get(eval_step(params, val[i])) for i in range(len(val))]))
-
-    tokens_per_step = t.batch_size * t.seq_len
-    flops_per_step = flops_per_token(cfg.model, setup.fns.n_params, t.seq_len) * tokens_per_step
+    tokens_per_step, flops_per_step = task.tokens_per_step, task.flops_per_step
     start = int(jax.device_get(state["step"]))
     if start >= t.steps:
         checkpointer.close()
@@ -91,10 +82,10 @@ def train(cfg: Config) -> dict:
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
         with Progress(*columns, console=console, disable=not rt.is_main) as progress:
-            task = progress.add_task("train", total=t.steps, completed=start, status="compiling")
+            bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
             for step in range(start, t.steps):
-                state, metrics = train_step(state, batches[step])
+                state, metrics = task.step(state, task.batches[step])
                 done = step + 1
                 if done == start + 1:  # leave compilation out of the throughput
                     jax.block_until_ready(state)
@@ -111,23 +102,24 @@ def train(cfg: Config) -> dict:
                     tps, mfu = last["tokens_per_sec"], last["mfu"]
                     log.write(last)
                     status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
-                    progress.update(task, status=status)
-                    progress.console.print(f"step {done:>6}  loss {metrics['loss']:.4f}  lr {metrics['lr']:.2e}  grad_norm {metrics['grad_norm']:.3f}" + (f"  {tps:,.0f} tok/s" if tps else ""))
+                    progress.update(bar, status=status)
+                    progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else ""))
                     window_start, clock = done, time.perf_counter()
                 if done % t.eval_every == 0 or done == t.steps:
-                    last["val_loss"] = evaluate(weights(state))
-                    log.write({"step": done, "val_loss": last["val_loss"]}, prefix="eval")
-                    progress.console.print(f"step {done:>6}  val_loss {last['val_loss']:.4f}")
+                    evals = task.evaluate(weights(state))
+                    last.update(evals)
+                    log.write({"step": done, **evals}, prefix="eval")
+                    progress.console.print(f"step {done:>6}  {_fmt(evals)}")
                 if done % cfg.checkpoint.every == 0 or done == t.steps:
                     checkpointer.save(state)
                 if done % t.eval_every == 0 or done % cfg.checkpoint.every == 0:
                     window_start, clock = done, time.perf_counter()  # keep eval and saving out of throughput
-                progress.update(task, completed=done)
+                progress.update(bar, completed=done)
     finally:
         checkpointer.close()
         log.close()
-    console.print(f"[podtrain] done: step {t.steps}, val_loss {last['val_loss']:.4f}, checkpoint in {cfg.checkpoint_dir}")
-    if t.sample_tokens:
-        text = sample(setup.fns, weights(state), "The ", t.sample_tokens, 0.8, t.seq_len, cfg.seed)  # on every process: params span them all
-        console.print("[podtrain] sample:\n" + "The " + text)
+    console.print(f"[podtrain] done: step {t.steps}, {_fmt(evals)}, checkpoint in {cfg.checkpoint_dir}")
+    text = task.finish(state)
+    if text is not None:
+        console.print("[podtrain] sample:\n" + text)
     return last

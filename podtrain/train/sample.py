@@ -12,7 +12,8 @@ import numpy as np
 from podtrain import runtime
 from podtrain.config import MeshConfig, load_config, resolve_auto
 from podtrain.data.text import decode, encode
-from podtrain.errors import CheckpointError
+from podtrain.errors import CheckpointError, ConfigError
+from podtrain.models import is_reasoner
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.state import ModelFns, model_fns
 
@@ -47,6 +48,8 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperatur
     if not config_path.is_file():
         raise CheckpointError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
     cfg = dataclasses.replace(load_config(config_path), mesh=MeshConfig(data=-1, fsdp=1, tensor=1))
+    if is_reasoner(cfg.model.name):
+        raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate samples text from a language model (llama, mhc).")
     rt = runtime.start(cfg, announce=False)
     cfg = resolve_auto(cfg, rt.platform)
     fns = model_fns(cfg, rt.mesh)

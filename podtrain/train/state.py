@@ -32,8 +32,11 @@ class ModelFns:
     init: Callable[[jax.Array], Any]  # key -> params, sharded
     n_params: int
 
+    def module(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params)
+
     def apply(self, params, *inputs):
-        return nnx.merge(self.graphdef, params)(*inputs)
+        return self.module(params)(*inputs)
 
 
 def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:

@@ -1,4 +1,4 @@
-"""The jitted train and eval steps. Gradients are reduced across the mesh by XLA's partitioner."""
+"""The jitted train step, shared by every model. Gradients are reduced across the mesh by XLA's partitioner."""
 
 from __future__ import annotations
 
@@ -12,52 +12,44 @@ from podtrain.train import optim
 from podtrain.train.state import TrainSetup, shardings_of
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
-
-
 def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
     """Rows of a batch over (data, fsdp); `leading` unsharded axes come first (microbatches)."""
     return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["batch"]))
 
 
-def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh):
-    """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, seq_len + 1).
+def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0):
+    """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
-    Microbatch gradients are summed in a scan inside the step, so accumulation costs no
-    extra dispatch and the accumulator lives sharded like the params.
+    loss_fn(params, carry, microbatch, key) -> (loss, (carry, metrics)), where `carry` is this
+    microbatch's slice of state["carry"] (what a model keeps from one step to the next, e.g. the
+    ACT state of HRM/TRM; None without one) and `key` is fresh randomness for every microbatch
+    of every step. Microbatch gradients are summed in a scan inside the step, so accumulation
+    costs no extra dispatch and the accumulator lives sharded like the params; metrics are
+    averaged over the microbatches.
     """
-    fns, tx, lr = setup.fns, setup.tx, optim.schedule(cfg_train)
+    tx, lr = setup.tx, optim.schedule(cfg_train)
     param_shardings = shardings_of(setup.abstract_state["params"])
 
-    def loss_fn(params, tokens):
-        return cross_entropy(fns.apply(params, tokens[:, :-1]), tokens[:, 1:])
-
     def step(state, batch):
-        params = state["params"]
+        params, n_micro = state["params"], batch.shape[0]
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), state["step"]), n_micro)
 
-        def accumulate(acc, tokens):
-            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+        def accumulate(grads, xs):
+            carry, micro, key = xs
+            (loss, (carry, metrics)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, carry, micro, key)
+            return jax.tree.map(jnp.add, grads, g), (carry, {"loss": loss, **metrics})
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
-        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), batch)
-        loss, grads = jax.tree.map(lambda x: x / batch.shape[0], (loss, grads))
+        grads, (carry, metrics) = jax.lax.scan(accumulate, zeros, (state.get("carry"), batch, keys))
+        grads = jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt = tx.update(grads, state["opt"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt": opt}
+        new_state = {**state, "step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt": opt}
+        if carry is not None:
+            new_state["carry"] = carry
         if "ema" in state:
             new_state["ema"] = optax.incremental_update(new_state["params"], state["ema"], step_size=1 - cfg_train.ema)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
+        metrics = {k: v.mean() for k, v in metrics.items()}
+        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
 
-    state_shardings = shardings_of(setup.abstract_state)
+    state_shardings = shardings_of(abstract_state)
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
-
-
-def make_eval_step(setup: TrainSetup, mesh: Mesh):
-    """eval(params, batch) -> mean next-token loss of a (batch, seq_len + 1) batch."""
-    fns = setup.fns
-
-    def evaluate(params, tokens):
-        return cross_entropy(fns.apply(params, tokens[:, :-1]), tokens[:, 1:])
-
-    return jax.jit(evaluate, in_shardings=(shardings_of(setup.abstract_state["params"]), batch_sharding(mesh)))

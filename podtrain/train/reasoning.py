@@ -1,0 +1,162 @@
+"""Deep supervision with adaptive computation time (ACT): how HRM and TRM train on puzzles.
+
+One optimizer step is one supervision segment for every slot of the batch (the references'
+ACTLossHead around their ACT wrapper). The train state's `carry` keeps, per slot, the model's
+latents (z_H, z_L), the segments run so far, whether the slot halted, and its puzzle. At each step
+a halted slot takes its row of this step's batch as a new puzzle and restarts from the initial
+latents; the other slots go on with their own puzzle from where the last segment left them (the
+carry is detached). Batch s is read at step s whatever halts, so a resumed run reads the same
+data, and the carry is checkpointed with the weights.
+
+Loss of a segment: stablemax cross entropy over the cells (mean per puzzle)
++ 0.5 * BCE(q_halt, "the puzzle is exactly right"); with no_ACT_continue=false (HRM) also
++ 0.5 * BCE(q_continue, sigmoid of the next segment's larger Q logit), that next segment run on
+the same weights without gradient.
+Halting, in training only: at halt_max_steps, or when q_halt > 0 (TRM) / q_halt > q_continue
+(HRM), but with probability halt_exploration_prob not before a step drawn from [2, halt_max_steps].
+Train metrics (cell and exact accuracy, ACT steps) are over the slots that halted at that step
+(null when none did).
+
+Evaluation runs all halt_max_steps segments on each test puzzle, as the references do, and
+reports the last segment's loss, cell and exact accuracy, and act_steps: the segment at which
+the halting rule would first have stopped (halt_max_steps if never).
+
+Departure: stablemax runs in float32 (the references use float64, which JAX only has globally).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from podtrain.config import Config
+from podtrain.data import sudoku
+from podtrain.data.loader import BatchReader, in_order, shuffled
+from podtrain.errors import ConfigError, DataError
+from podtrain.models import flops_per_token
+from podtrain.train.state import TrainSetup, init_state, shardings_of
+from podtrain.train.step import batch_sharding, make_train_step
+
+CELLS = 81
+
+
+def split(rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows of sudoku.SudokuSet.rows() -> (puzzle ids, input tokens, label tokens)."""
+    return rows[..., 0], rows[..., 1 : 1 + CELLS], rows[..., 1 + CELLS :]
+
+
+def stablemax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """-log of s(x_label) / sum s(x), s(x) = x + 1 for x >= 0 and 1 / (1 - x) below: a softmax
+    whose tails grow linearly, not exponentially (HRM's loss)."""
+    x = logits.astype(jnp.float32)
+    s = jnp.where(x >= 0, x + 1, 1 / (1 - jnp.minimum(x, 0)))  # min keeps the unused branch's gradient finite
+    log_p = jnp.log(s) - jnp.log(s.sum(-1, keepdims=True))
+    return -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+
+
+def _halts(q: jax.Array, no_continue: bool) -> jax.Array:
+    return q[:, 0] > 0 if no_continue else q[:, 0] > q[:, 1]
+
+
+def _mean_where(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of x over the mask; NaN (logged as null) where the mask is empty."""
+    count = mask.sum()
+    return jnp.where(count > 0, jnp.where(mask, x, 0).sum() / jnp.maximum(count, 1), jnp.nan)
+
+
+class PuzzleTask:
+    """What the training loop needs for a recursive reasoner: puzzles, the ACT step and carry, evaluation."""
+
+    def __init__(self, cfg: Config, setup: TrainSetup, mesh: Mesh):
+        t, m, fns = cfg.train, cfg.model, setup.fns
+        r = m.hrm if m.name == "hrm" else m.trm
+        if cfg.data.source != "sudoku":
+            raise ConfigError(f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
+        if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
+            raise ConfigError(f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} and model.vocab_size={sudoku.VOCAB}.")
+        train_set, test_set = sudoku.load(cfg.data.path, "train"), sudoku.load(cfg.data.path, "test")
+        for name, split_set in (("train", train_set), ("test", test_set)):
+            if len(split_set.inputs) < t.batch_size:
+                raise DataError(f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch.")
+        self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
+
+        micro, length = t.batch_size // t.grad_accum, m.max_seq_len + r.puzzle_emb_len
+        slots, latent, sharding = (t.grad_accum, micro), (jnp.dtype(m.compute_dtype), length, m.d_model), batch_sharding(mesh, leading=1)
+        shapes = {"z_h": latent, "z_l": latent, "steps": (jnp.int32,), "halted": (jnp.bool_,), "data": (jnp.int32, 1 + 2 * CELLS)}
+        carry = {k: jax.ShapeDtypeStruct((*slots, *rest), dtype, sharding=sharding) for k, (dtype, *rest) in shapes.items()}
+        self.abstract_state = {**setup.abstract_state, "carry": carry}
+        # Every slot starts halted, so step 0 fills all of them from its batch.
+        first = jax.jit(lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()}, out_shardings=shardings_of(carry))
+        self.init_state = lambda: {**init_state(setup, cfg.seed), "carry": first()}
+
+        def loss_fn(params, carry, rows, key):
+            model = fns.module(params)
+            new = carry["halted"]
+            data = jnp.where(new[:, None], rows, carry["data"])
+            z = tuple(jnp.where(new[:, None, None], z0, z) for z0, z in zip(model.initial_carry(len(rows)), (carry["z_h"], carry["z_l"])))
+            steps = jnp.where(new, 0, carry["steps"]) + 1
+            ids, inputs, labels = split(data)
+            z, logits, q = model(z, inputs, ids)
+
+            correct = jnp.argmax(logits, -1) == labels
+            exact = correct.all(-1)
+            lm_loss = stablemax_cross_entropy(logits, labels).mean()
+            q_halt_loss = optax.sigmoid_binary_cross_entropy(q[:, 0], exact.astype(jnp.float32)).mean()
+            losses = {"lm_loss": lm_loss, "q_halt_loss": q_halt_loss}
+            last = steps >= r.halt_max_steps
+            if not r.no_ACT_continue:
+                next_q = jax.lax.stop_gradient(model(z, inputs, ids)[2])
+                target = jax.nn.sigmoid(jnp.where(last, next_q[:, 0], next_q.max(-1)))
+                losses["q_continue_loss"] = optax.sigmoid_binary_cross_entropy(q[:, 1], target).mean()
+
+            explore, draw = jax.random.split(key)
+            min_steps = jnp.where(jax.random.bernoulli(explore, r.halt_exploration_prob, steps.shape), jax.random.randint(draw, steps.shape, 2, r.halt_max_steps + 1), 0)
+            halted = last | (_halts(q, r.no_ACT_continue) & (steps >= min_steps))
+            metrics = {
+                **losses,
+                "cell_accuracy": _mean_where(correct.mean(-1), halted),
+                "exact_accuracy": _mean_where(exact, halted),
+                "act_steps": _mean_where(steps, halted),
+                "halted": halted.mean(),
+            }
+            loss = lm_loss + 0.5 * (q_halt_loss + losses.get("q_continue_loss", 0.0))
+            return loss, ({"z_h": z[0], "z_l": z[1], "steps": steps, "halted": halted, "data": data}, metrics)
+
+        def evaluate(params, rows):
+            model = fns.module(params)
+            ids, inputs, labels = split(rows)
+
+            def segment(state, i):
+                z, halt_at, _ = state
+                z, logits, q = model(z, inputs, ids)
+                halt_at = jnp.where((halt_at == 0) & (_halts(q, r.no_ACT_continue) | (i == r.halt_max_steps)), i, halt_at)
+                return (z, halt_at, logits), None
+
+            start = (model.initial_carry(len(rows)), jnp.zeros(len(rows), jnp.int32), jnp.zeros((*labels.shape, m.vocab_size), jnp.float32))
+            (_, halt_at, logits), _ = jax.lax.scan(segment, start, jnp.arange(1, r.halt_max_steps + 1))
+            correct = jnp.argmax(logits, -1) == labels
+            return {
+                "val_loss": stablemax_cross_entropy(logits, labels).mean(),
+                "val_cell_accuracy": correct.mean(),
+                "val_exact_accuracy": correct.all(-1).mean(),
+                "val_act_steps": halt_at.mean(),
+            }
+
+        self.step = make_train_step(setup, t, mesh, loss_fn, self.abstract_state, cfg.seed)
+        train_rows, test_rows = train_set.rows(), test_set.rows()
+        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1)
+        self.test = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
+        self.eval_step = jax.jit(evaluate, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+        self.tokens_per_step = t.batch_size * CELLS
+        self.flops_per_step = flops_per_token(m, fns.n_params, CELLS) * self.tokens_per_step
+
+    def evaluate(self, params) -> dict:
+        """Means over the evaluated test puzzles (each batch's means are global, reduced in the step)."""
+        results = [jax.device_get(self.eval_step(params, self.test[i])) for i in range(len(self.test))]
+        return {k: float(np.mean([res[k] for res in results])) for k in results[0]}
+
+    def finish(self, state) -> None:
+        return None
