@@ -76,6 +76,7 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     straight = train(tmp_path / "a")
     assert (tmp_path / "a" / "checkpoints" / "2" / "carry").is_dir()
     assert main(["generate", str(tmp_path / "a")]) == 2  # text sampling is for language models
+    assert main(["plot", str(tmp_path / "a"), "--out", str(tmp_path / "a.png")]) == 0
     shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")  # as if stopped before the step-4 save
     resumed = train(tmp_path / "b")

@@ -1,4 +1,4 @@
-"""Training curves as a PNG: loss and val_loss, learning rate and tokens/s against step."""
+"""Training curves as a PNG: loss and val_loss, learning rate, tokens/s and (for puzzles) held-out accuracy against step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from podtrain.errors import DataError  # noqa: E402
 from podtrain.train.metrics import read_metrics  # noqa: E402
 
-PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_sec", "tokens/s"))
+PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_sec", "tokens/s"), ("val_cell_accuracy", "held-out cell accuracy"))
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:
@@ -25,13 +25,16 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
     for d, records in runs.items():
         if not records:
             raise DataError(f"{d} has no metrics.jsonl with records; give the run_dir of a `podtrain train` run.")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
-    for (key, title), ax in zip(PANELS, axes):
+    panels = [(key, title) for key, title in PANELS if any(_series(records, key)[0] for records in runs.values())]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for (key, title), ax in zip(panels, axes[0]):
         for d, records in runs.items():
             name = Path(d).name
             ax.plot(*_series(records, key), label=f"{name} train" if key == "loss" else name)
             if key == "loss":
                 ax.plot(*_series(records, "val_loss"), "o--", label=f"{name} val")
+            if key == "val_cell_accuracy":
+                ax.plot(*_series(records, "val_exact_accuracy"), "o--", label=f"{name} exact")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -83,10 +83,13 @@ class PuzzleTask:
                 raise DataError(f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch.")
         self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
 
-        micro, length = t.batch_size // t.grad_accum, m.max_seq_len + r.puzzle_emb_len
-        slots, latent, sharding = (t.grad_accum, micro), (jnp.dtype(m.compute_dtype), length, m.d_model), batch_sharding(mesh, leading=1)
-        shapes = {"z_h": latent, "z_l": latent, "steps": (jnp.int32,), "halted": (jnp.bool_,), "data": (jnp.int32, 1 + 2 * CELLS)}
-        carry = {k: jax.ShapeDtypeStruct((*slots, *rest), dtype, sharding=sharding) for k, (dtype, *rest) in shapes.items()}
+        slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)  # laid out like the batch
+
+        def per_slot(dtype, *shape):
+            return jax.ShapeDtypeStruct((*slots, *shape), dtype, sharding=sharding)
+
+        latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + r.puzzle_emb_len, m.d_model)
+        carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, 1 + 2 * CELLS)}
         self.abstract_state = {**setup.abstract_state, "carry": carry}
         # Every slot starts halted, so step 0 fills all of them from its batch.
         first = jax.jit(lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()}, out_shardings=shardings_of(carry))
