@@ -39,14 +39,17 @@ class LanguageTask:
         self.abstract_state = setup.abstract_state
         self.init_state = lambda: init_state(setup, cfg.seed)
 
+        def next_token_loss(params, tokens):
+            return cross_entropy(fns.apply(params, tokens[:, :-1]), tokens[:, 1:])
+
         def loss_fn(params, carry, tokens, key):
-            return cross_entropy(fns.apply(params, tokens[:, :-1]), tokens[:, 1:]), (carry, {})
+            return next_token_loss(params, tokens), (carry, {})
 
         self.step = make_train_step(setup, t, mesh, loss_fn, self.abstract_state, cfg.seed)
         micro = t.batch_size // t.grad_accum
         self.batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
         self.val = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(mesh), (t.batch_size, t.seq_len + 1), axis=0)
-        self.eval_step = jax.jit(lambda params, tokens: cross_entropy(fns.apply(params, tokens[:, :-1]), tokens[:, 1:]), in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+        self.eval_step = jax.jit(next_token_loss, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(cfg.model, fns.n_params, t.seq_len) * self.tokens_per_step
 
