@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -15,7 +14,7 @@ from podtrain.errors import ConfigError, DataError
 from podtrain.models import flops_per_token
 from podtrain.train.sample import sample
 from podtrain.train.state import TrainSetup, init_state, shardings_of, weights
-from podtrain.train.step import batch_sharding, make_train_step
+from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
 
 BYTE_VOCAB = 256
 
@@ -49,13 +48,12 @@ class LanguageTask:
         micro = t.batch_size // t.grad_accum
         self.batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
         self.val = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(mesh), (t.batch_size, t.seq_len + 1), axis=0)
-        self.eval_step = jax.jit(next_token_loss, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+        self.eval_step = jax.jit(lambda params, tokens: {"val_loss": next_token_loss(params, tokens)}, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(cfg.model, fns.n_params, t.seq_len) * self.tokens_per_step
 
     def evaluate(self, params) -> dict:
-        # Each loss is a mean over the global batch, reduced across all processes inside the step.
-        return {"val_loss": float(np.mean([jax.device_get(self.eval_step(params, self.val[i])) for i in range(len(self.val))]))}
+        return mean_over_batches(self.eval_step, params, self.val)
 
     def finish(self, state) -> str | None:
         """A sample of text, run on every process: the params span them all."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -38,7 +37,7 @@ from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import ConfigError, DataError
 from podtrain.models import flops_per_token
 from podtrain.train.state import TrainSetup, init_state, shardings_of
-from podtrain.train.step import batch_sharding, make_train_step
+from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
 
 CELLS = 81
 
@@ -157,9 +156,7 @@ class PuzzleTask:
         self.flops_per_step = flops_per_token(m, fns.n_params, CELLS) * self.tokens_per_step
 
     def evaluate(self, params) -> dict:
-        """Means over the evaluated test puzzles (each batch's means are global, reduced in the step)."""
-        results = [jax.device_get(self.eval_step(params, self.test[i])) for i in range(len(self.test))]
-        return {k: float(np.mean([res[k] for res in results])) for k in results[0]}
+        return mean_over_batches(self.eval_step, params, self.test)
 
     def finish(self, state) -> None:
         return None

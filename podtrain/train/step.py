@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -53,3 +54,10 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
 
     state_shardings = shardings_of(abstract_state)
     return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def mean_over_batches(eval_step, params, batches) -> dict:
+    """The mean over a reader's batches of eval_step(params, batch), a dict of means over the
+    global batch (reduced across all processes inside the step)."""
+    results = [jax.device_get(eval_step(params, batches[i])) for i in range(len(batches))]
+    return {k: float(np.mean([res[k] for res in results])) for k in results[0]}
