@@ -56,9 +56,9 @@ def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
     np.testing.assert_array_equal(carry["halted"][0], ~halted)  # the continuing slots reached halt_max_steps
 
 
-@pytest.mark.parametrize("shape,extra", [((8, 1, 1), ["model.trm.mlp_t=true"]), ((2, 2, 2), [])], ids=["8x1x1-mlp_t", "2x2x2"])
-def test_trm_sharded_equals_unsharded(puzzles, shape, extra):
-    common = [*puzzles, "model.name=trm", *extra]
+@pytest.mark.parametrize("name,shape,extra", [("trm", (1, 4, 2), ["model.trm.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])], ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"])
+def test_sharded_equals_unsharded(puzzles, name, shape, extra):
+    common = [*puzzles, f"model.name={name}", *extra]
     ref_losses, ref_params = run_steps([*common, "mesh.data=1"], n_devices=1)
     losses, params = run_steps([*common, f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)

@@ -26,6 +26,15 @@ def test_sharded_equals_unsharded(shape, reference, small_overrides):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
 
 
+def test_kv_heads_repeated_over_a_wider_tensor_axis(small_overrides):
+    """Two k/v heads for eight query heads on tensor=8: each shard gets a copy of its k/v head."""
+    heads = ["model.n_heads=8", "model.n_kv_heads=2"]
+    ref_losses, ref_params = run_steps(small_overrides + heads + ["mesh.data=1"], n_devices=1)
+    losses, params = run_steps(small_overrides + heads + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=8"], n_devices=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
+
+
 def test_grad_accumulation_equals_full_batch(small_overrides):
     full, full_params = run_steps(small_overrides + ["mesh.data=1"], n_devices=1)
     accum, accum_params = run_steps(small_overrides + ["mesh.data=1", "train.grad_accum=4"], n_devices=1)

@@ -86,5 +86,10 @@ class BatchReader:
         ids = self.ids(batch)
         return np.stack([self.windows[int(i)] for i in ids.ravel()]).reshape(*ids.shape, -1)
 
+    @property
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        """A batch's shape, dtype and sharding, to compile a step ahead of time."""
+        return jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
+
     def __getitem__(self, batch: int) -> jax.Array:
         return jax.make_array_from_process_local_data(self.sharding, self.local(batch), self.shape)

@@ -1,4 +1,5 @@
-"""Building blocks shared by the models. Parameters name logical axes; no mesh appears here.
+"""Building blocks shared by the models. Parameters and activations name logical axes; no mesh
+appears here (`constrain` pins an activation by name, and the rules decide what that means).
 
 Precision policy: parameters are stored in float32 and cast to the compute dtype where used;
 norms, softmax statistics and logits are computed in float32.
@@ -9,6 +10,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from podtrain.runtime.mesh import constrain, shards
+
+ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
+LOGITS = ("act_batch", "act_seq", "act_vocab")
+# Embedding tables and output heads in use: gathered over fsdp, split over the vocabulary under tensor.
+TABLE, HEAD = ("act_vocab", "act_embed"), ("act_embed", "act_vocab")
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows of a (vocab, embed) table laid out as TABLE for (batch, seq) tokens: a lookup local
+    to each batch shard (vocab-parallel under tensor: masked rows, then one all-reduce)."""
+    return constrain(jnp.take(table, tokens, axis=0), ACT)
+
+
+def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
+    """float32 logits of x (..., embed) through an (embed, vocab) head laid out as HEAD."""
+    return constrain((x @ head.astype(dtype)).astype(jnp.float32), LOGITS)
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
@@ -58,25 +79,45 @@ class Attention(nnx.Module):
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
-    def __call__(self, x: jax.Array, rope) -> jax.Array:
-        q, k, v = (jnp.einsum("btd,dnh->btnh", x, w[...].astype(self.dtype)) for w in (self.wq, self.wk, self.wv))
+    def __call__(self, x_BTD: jax.Array, rope) -> jax.Array:
+        """Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
+        tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
+        wq, wk, wv = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
+        d, n_heads, head_dim = wq.shape
+        n_kv, kv_axes = wk.shape[1], KV_HEADS
+        if n_kv % shards("act_heads", n_heads):
+            # K/V heads that the head shards cannot split evenly get a copy per query head, so that q, k
+            # and v share one sharding (cuDNN's attention requires it); copying replicated weights is local.
+            wk, wv = (jnp.repeat(w, n_heads // n_kv, axis=1) for w in (wk, wv))
+            n_kv, kv_axes = n_heads, HEADS
+        group = n_heads // n_kv
+        # One projection for q, k and v, laid out per k/v head (the shards never split a group), so
+        # that the gradient reaches x through one matmul: one all-reduce, not three.
+        w_qkv = jnp.concatenate([wq.reshape(d, n_kv, group, head_dim), wk[:, :, None], wv[:, :, None]], axis=2)
+        qkv = constrain(jnp.einsum("btd,dngh->btngh", x_BTD, w_qkv), (*kv_axes[:3], None, "act_head_dim"))
+        q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
+        k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.implementation)
-        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(self.dtype))
+        out = constrain(jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.implementation), HEADS)
+        return constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(self.dtype)), ACT)
 
 
 class SwiGLU(nnx.Module):
-    """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis`."""
+    """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
+    weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism."""
 
-    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, dtype, rngs: nnx.Rngs, axis: str = "embed"):
+    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, dtype, rngs: nnx.Rngs, axis: str = "embed", x_axes: tuple[str, ...] = ACT):
         self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)
-        self.dtype = dtype
+        self.dtype, self.x_axes = dtype, x_axes
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate = jax.nn.silu(x @ self.w_gate[...].astype(self.dtype))
-        return (gate * (x @ self.w_up[...].astype(self.dtype))) @ self.w_down[...].astype(self.dtype)
+        # gate and up as one matmul, so that the gradient reaches x through one all-reduce
+        w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
+        gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
+        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        return constrain(hidden @ self.w_down[...].astype(self.dtype), self.x_axes)
 
 
 REMAT_POLICIES = {

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config import ModelConfig
-from podtrain.models.layers import Attention, RMSNorm, SwiGLU, param, rope_tables, scan_layers, stacked
+from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
+from podtrain.runtime.mesh import constrain
 
 
 class Block(nnx.Module):
@@ -28,8 +29,9 @@ class Block(nnx.Module):
         return self.mlp(self.mlp_norm(x))
 
     def __call__(self, x: jax.Array, rope) -> jax.Array:
-        x = x + self.attention_branch(x, rope)
-        return x + self.mlp_branch(x)
+        x = constrain(x, ACT)
+        x = constrain(x + self.attention_branch(x, rope), ACT)
+        return constrain(x + self.mlp_branch(x), ACT)
 
 
 class Llama(nnx.Module):
@@ -51,11 +53,12 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.compute_dtype)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
+        table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
+        x = embed_tokens(table, tokens).astype(dtype)
         rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
         x = self.narrow(scan_layers(self.layers, self.widen(x), rope, remat=cfg.remat, unroll=cfg.scan_unroll))
-        head = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        return (self.norm(x) @ head.astype(dtype)).astype(jnp.float32)
+        head = table.T if cfg.tie_embeddings else constrain(self.head[...], HEAD)
+        return output_head(self.norm(x), head, dtype)
 
     def widen(self, x: jax.Array) -> jax.Array:
         """The embedded tokens as the residual state the blocks carry."""

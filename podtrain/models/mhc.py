@@ -38,6 +38,9 @@ from flax import nnx
 from podtrain.config import ModelConfig
 from podtrain.models import llama
 from podtrain.models.layers import RMSNorm, param
+from podtrain.runtime.mesh import constrain
+
+STREAMS = ("act_batch", "act_seq", "act_streams", "act_embed")  # the residual streams (batch, seq, n, d_model)
 
 
 def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
@@ -54,6 +57,13 @@ def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
     """Σ_k softmax(logits)_k P_k over the n! permutation matrices: (..., n!) -> (..., n, n)."""
     perms = np.stack([np.eye(n, dtype=np.float32)[list(p)] for p in itertools.permutations(range(n))])
     return jnp.einsum("...k,kij->...ij", jax.nn.softmax(logits.astype(jnp.float32), axis=-1), perms)
+
+
+@jax.checkpoint
+def _project(flat: jax.Array, phi: jax.Array) -> jax.Array:
+    """flat @ phi with phi gathered whole, so each batch shard computes its coefficients alone;
+    rematerialised, so the backward gathers phi again instead of keeping it, as fsdp does."""
+    return flat @ constrain(phi, ("act_embed", "act_streams"))
 
 
 class StreamMixer(nnx.Module):
@@ -74,14 +84,14 @@ class StreamMixer(nnx.Module):
         b, t, n, c = x.shape
         flat = self.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
-        pre, post, res = jnp.split(gate * (flat @ self.phi[...]) + self.bias[...], np.cumsum(self.sizes)[:2], axis=-1)
+        pre, post, res = jnp.split(gate * _project(flat, self.phi[...]) + self.bias[...], np.cumsum(self.sizes)[:2], axis=-1)
         h_res = permutation_mixture(res, n) if self.projection == "permutations" else sinkhorn(res.reshape(b, t, n, n), self.iters)
         return jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post), h_res
 
     def __call__(self, x: jax.Array, branch) -> jax.Array:
         h_pre, h_post, h_res = (h.astype(x.dtype) for h in self.coefficients(x))
         y = branch(jnp.einsum("btn,btnc->btc", h_pre, x))
-        return jnp.einsum("btnm,btmc->btnc", h_res, x) + jnp.einsum("btn,btc->btnc", h_post, y)
+        return constrain(jnp.einsum("btnm,btmc->btnc", h_res, x) + jnp.einsum("btn,btc->btnc", h_post, y), STREAMS)
 
 
 class MhcBlock(llama.Block):
@@ -91,7 +101,7 @@ class MhcBlock(llama.Block):
         self.mlp_mix = StreamMixer(cfg, rngs)
 
     def __call__(self, streams: jax.Array, rope) -> jax.Array:
-        streams = self.attn_mix(streams, lambda x: self.attention_branch(x, rope))
+        streams = self.attn_mix(constrain(streams, STREAMS), lambda x: self.attention_branch(x, rope))
         return self.mlp_mix(streams, self.mlp_branch)
 
 
@@ -101,7 +111,7 @@ class Mhc(llama.Llama):
     block = MhcBlock
 
     def widen(self, x: jax.Array) -> jax.Array:
-        return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.mhc.streams, x.shape[-1]))
+        return constrain(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.mhc.streams, x.shape[-1])), STREAMS)
 
     def narrow(self, state: jax.Array) -> jax.Array:
         return state.sum(axis=2)

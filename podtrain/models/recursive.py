@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config import ModelConfig, RecursiveConfig
-from podtrain.models.layers import Attention, SwiGLU, param, rms_norm, rope_tables, scan_layers, stacked
+from podtrain.models.layers import ACT, HEAD, TABLE, Attention, SwiGLU, embed_tokens, output_head, param, rms_norm, rope_tables, scan_layers, stacked
+from podtrain.runtime.mesh import constrain
 
 INIT_KEY = 1234  # the fixed draw of the initial states
 
@@ -54,18 +55,19 @@ class ReasoningBlock(nnx.Module):
         self.eps = cfg.norm_eps
         if mlp_t:
             width = _swiglu_width(seq_len)
-            self.token_mlp = SwiGLU(seq_len, width, std=seq_len**-0.5, out_std=width**-0.5, dtype=dtype, rngs=rngs, axis="seq")
+            self.token_mlp = SwiGLU(seq_len, width, std=seq_len**-0.5, out_std=width**-0.5, dtype=dtype, rngs=rngs, axis="seq", x_axes=("act_batch", "act_embed", "act_seq"))
         else:
             self.attn = Attention(d, cfg.n_heads, cfg.n_heads, std=d**-0.5, out_std=d**-0.5, dtype=dtype, implementation=cfg.attention, rngs=rngs, causal=False)
         self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs)
 
     def __call__(self, h: jax.Array, rope) -> jax.Array:
+        h = constrain(h, ACT)
         if hasattr(self, "token_mlp"):  # normalised over the sequence, as in the reference
             t = h.swapaxes(1, 2)
             h = rms_norm(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
         else:
             h = rms_norm(h + self.attn(h, rope), self.eps).astype(h.dtype)
-        return rms_norm(h + self.mlp(h), self.eps).astype(h.dtype)
+        return constrain(rms_norm(h + self.mlp(h), self.eps).astype(h.dtype), ACT)
 
 
 class ReasoningModule(nnx.Module):
@@ -96,14 +98,14 @@ class RecursiveReasoner(nnx.Module):
         """(z_H, z_L): the same fixed truncated-normal vector at every position of every puzzle."""
         h, low = jax.random.truncated_normal(jax.random.key(INIT_KEY), -2.0, 2.0, (2, self.cfg.d_model)) / 0.8796  # std 1 after truncation
         shape, dtype = (batch, self.length, self.cfg.d_model), jnp.dtype(self.cfg.compute_dtype)
-        return jnp.broadcast_to(h, shape).astype(dtype), jnp.broadcast_to(low, shape).astype(dtype)
+        return tuple(constrain(jnp.broadcast_to(z, shape).astype(dtype), ACT) for z in (h, low))
 
     def inputs(self, tokens: jax.Array, puzzle_ids: jax.Array) -> jax.Array:
         cfg, d = self.cfg, self.cfg.d_model
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = embed_tokens(constrain(self.embed[...], TABLE), tokens)
         puzzle = jnp.take(self.puzzle_emb[...], puzzle_ids, axis=0)[:, None, :]
         front = jnp.concatenate([puzzle, jnp.zeros((len(tokens), self.r.puzzle_emb_len - 1, d), x.dtype)], axis=1)
-        return (math.sqrt(d) * jnp.concatenate([front, x], axis=1)).astype(jnp.dtype(cfg.compute_dtype))
+        return constrain((math.sqrt(d) * jnp.concatenate([front, x], axis=1)).astype(jnp.dtype(cfg.compute_dtype)), ACT)
 
     def __call__(self, carry, tokens: jax.Array, puzzle_ids: jax.Array):
         """One segment: (carry, logits (batch, seq, vocab), q (batch, 2) = halt, continue logits)."""
@@ -111,7 +113,7 @@ class RecursiveReasoner(nnx.Module):
         rope = None if self.r.mlp_t else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
         z_h, z_l = self.recurse(*carry, x, rope)
         dtype = z_h.dtype
-        logits = (z_h[:, self.r.puzzle_emb_len :] @ self.head[...].astype(dtype)).astype(jnp.float32)
+        logits = output_head(z_h[:, self.r.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)
         q = z_h[:, 0].astype(jnp.float32) @ self.q_head[...] + self.q_bias[...]
         return jax.lax.stop_gradient((z_h, z_l)), logits, q
 

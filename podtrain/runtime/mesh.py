@@ -1,7 +1,17 @@
-"""The named mesh `data x fsdp x tensor` and the one table that maps logical axes onto it."""
+"""The named mesh `data x fsdp x tensor` and the one table that maps logical axes onto it.
+
+Parameters and activations both name logical axes; `RULES` alone decides what each mesh axis
+shards. Models pin their activations with `constrain`, which takes effect while a function
+compiled by `sharded_jit` is traced on a mesh and does nothing elsewhere, so a model never sees
+a mesh. Without those pins XLA's partitioner follows the weights, and an fsdp-sharded embedding
+turns fsdp into model parallelism with activation-sized all-reduces.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
 
 import jax
@@ -15,7 +25,7 @@ AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    # Parameters: ZeRO-3 over fsdp (gathered layer by layer where used), Megatron over tensor.
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
@@ -23,9 +33,22 @@ RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "head_dim": (),
     "layers": (),
-    "seq": (),
+    "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients
+    # Activations: the batch over data x fsdp, features over tensor only; fsdp never splits a
+    # feature, so it moves weights, not activations.
+    "act_batch": ("data", "fsdp"),
+    "act_seq": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_head_dim": (),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_streams": (),
 }
+
+_TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("podtrain_tracing_mesh", default=None)
 
 
 def factorizations(n: int) -> list[tuple[int, int, int]]:
@@ -76,9 +99,44 @@ def logical_sharding(names: tuple[str | None, ...], shape: tuple[int, ...], mesh
     return NamedSharding(mesh, logical_spec(names, shape, mesh))
 
 
+@contextlib.contextmanager
+def _tracing_on(mesh: Mesh):
+    token = _TRACING_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _TRACING_MESH.reset(token)
+
+
+def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
+    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply."""
+
+    @functools.wraps(fn)
+    def on_mesh(*args, **kwargs):
+        with _tracing_on(mesh):
+            return fn(*args, **kwargs)
+
+    return jax.jit(on_mesh, **jit_kwargs)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by its logical axis names (a no-op outside `sharded_jit`)."""
+    mesh = _TRACING_MESH.get()
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
+
+
+def shards(name: str, size: int) -> int:
+    """Into how many pieces the rules split a dimension of `size` named `name` (1 outside `sharded_jit`)."""
+    mesh = _TRACING_MESH.get()
+    if mesh is None:
+        return 1
+    axes = logical_spec((name,), (size,), mesh)[0] or ()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def describe(mesh: Mesh) -> str:
     return "mesh " + " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in RULES["batch"]]))
+    return int(np.prod([mesh.shape[a] for a in RULES["act_batch"]]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 
 from podtrain.config import Config
@@ -12,6 +11,7 @@ from podtrain.data.loader import BatchReader, eval_windows, train_windows
 from podtrain.data.text import load_tokens
 from podtrain.errors import ConfigError, DataError
 from podtrain.models import flops_per_token
+from podtrain.runtime.mesh import sharded_jit
 from podtrain.train.sample import sample
 from podtrain.train.state import TrainSetup, init_state, shardings_of, weights
 from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
@@ -20,7 +20,12 @@ BYTE_VOCAB = 256
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+    """Mean of logsumexp(logits) - logits[target]. The target's logit is picked by comparing with
+    the vocabulary's indices, not gathered, so logits split over the vocabulary (tensor
+    parallelism) stay split: each shard reduces its part and only per-token sums cross devices."""
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(-1)
+    return (jax.nn.logsumexp(logits, axis=-1) - target_logit).mean()
 
 
 class LanguageTask:
@@ -48,7 +53,7 @@ class LanguageTask:
         micro = t.batch_size // t.grad_accum
         self.batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
         self.val = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(mesh), (t.batch_size, t.seq_len + 1), axis=0)
-        self.eval_step = jax.jit(lambda params, tokens: {"val_loss": next_token_loss(params, tokens)}, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+        self.eval_step = sharded_jit(lambda params, tokens: {"val_loss": next_token_loss(params, tokens)}, mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
         self.tokens_per_step = t.batch_size * t.seq_len
         self.flops_per_step = flops_per_token(cfg.model, fns.n_params, t.seq_len) * self.tokens_per_step
 

@@ -45,6 +45,13 @@ def make_task(cfg: Config, setup, mesh) -> LanguageTask | PuzzleTask:
     return (PuzzleTask if is_reasoner(cfg.model.name) else LanguageTask)(cfg, setup, mesh)
 
 
+def compile_step(cfg: Config, mesh):
+    """The train step compiled ahead of time from abstract shapes (no weights allocated), to read
+    its memory (`memory_analysis()`) and collectives (`runtime.collectives`) before running it."""
+    task = make_task(cfg, train_setup(cfg, mesh), mesh)
+    return task.step.lower(task.abstract_state, task.batches.abstract).compile()
+
+
 def _fmt(metrics: dict) -> str:
     return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
 

@@ -36,6 +36,7 @@ from podtrain.data import sudoku
 from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import ConfigError, DataError
 from podtrain.models import flops_per_token
+from podtrain.runtime.mesh import sharded_jit
 from podtrain.train.state import TrainSetup, init_state, shardings_of
 from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
 
@@ -151,7 +152,7 @@ class PuzzleTask:
         train_rows, test_rows = train_set.rows(), test_set.rows()
         self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1)
         self.test = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
-        self.eval_step = jax.jit(evaluate, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+        self.eval_step = sharded_jit(evaluate, mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
         self.tokens_per_step = t.batch_size * CELLS
         self.flops_per_step = flops_per_token(m, fns.n_params, CELLS) * self.tokens_per_step
 

@@ -14,6 +14,7 @@ from podtrain.config import MeshConfig, load_config, resolve_auto
 from podtrain.data.text import decode, encode
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.models import is_reasoner
+from podtrain.runtime.mesh import sharded_jit
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.state import ModelFns, model_fns
 
@@ -22,12 +23,13 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
     """Continue `prompt` token by token. The context is a fixed-size window padded on the right,
     so one compiled forward pass serves every position (causal attention ignores the padding)."""
 
-    @jax.jit
     def next_token(params, buf, pos, key):
         logits = fns.apply(params, buf[None])[0, pos - 1]
         if temperature == 0:
             return jnp.argmax(logits)
         return jax.random.categorical(key, logits / temperature)
+
+    next_token = sharded_jit(next_token, fns.mesh)
 
     prompt_tokens = encode(prompt)
     tokens = list(prompt_tokens) or [ord("\n")]

@@ -31,6 +31,7 @@ class ModelFns:
     logical_axes: Any  # tree of tuples of logical axis names
     init: Callable[[jax.Array], Any]  # key -> params, sharded
     n_params: int
+    mesh: Mesh  # where the params live and the model's activations are sharded
 
     def module(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
@@ -52,7 +53,7 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
     n_params = sum(s.size for s in jax.tree.leaves(shapes))
     # Init runs once; on CPU, XLA's optimisations of its random-number code cost more (~4x the compile time) than they save.
     options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
-    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params)
+    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params, mesh)
 
 
 def shardings_of(abstract):

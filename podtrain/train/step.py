@@ -8,14 +8,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podtrain.runtime.mesh import RULES
+from podtrain.runtime.mesh import RULES, sharded_jit
 from podtrain.train import optim
 from podtrain.train.state import TrainSetup, shardings_of
 
 
 def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
     """Rows of a batch over (data, fsdp); `leading` unsharded axes come first (microbatches)."""
-    return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["batch"]))
+    return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["act_batch"]))
 
 
 def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0):
@@ -53,7 +53,7 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
         return new_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
 
     state_shardings = shardings_of(abstract_state)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
+    return sharded_jit(step, mesh, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
 
 
 def mean_over_batches(eval_step, params, batches) -> dict:

@@ -1,0 +1,73 @@
+"""What each mesh costs: collective bytes per step and memory per device of the compiled train
+step, for one model on 8 fake CPU devices, and step time per token against one device.
+
+    python bench/collectives.py                          # the default (tiny) model
+    python bench/collectives.py configs/llama_1b.yaml train.batch_size=16 --no-time
+
+Compiled ahead of time from abstract shapes, so a 1B-parameter model costs no memory here.
+Bytes are of the whole arrays each collective moves, times its executions per step (a layer
+scan's body counts once per layer); memory is XLA's `memory_analysis()` per device.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+
+from podtrain.config import load_config, resolve_auto  # noqa: E402
+from podtrain.runtime.collectives import KINDS, collectives, summary  # noqa: E402
+from podtrain.runtime.mesh import build_mesh  # noqa: E402
+from podtrain.train.loop import compile_step, make_task  # noqa: E402
+from podtrain.train.state import train_setup  # noqa: E402
+
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
+MiB = 2**20
+
+
+def seconds_per_step(cfg, mesh, steps: int) -> float:
+    task = make_task(cfg, train_setup(cfg, mesh), mesh)
+    state = task.init_state()
+    state, _ = task.step(state, task.batches[0])  # compile
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for i in range(1, steps + 1):
+        state, _ = task.step(state, task.batches[i])
+    jax.block_until_ready(state)
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mesh")
+    p.add_argument("--no-time", action="store_true", help="only compile: collectives and memory")
+    args = p.parse_args()
+    if args.config and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None
+    print(f"{args.config or 'default model'} {' '.join(args.overrides)}")
+    print(f"{'mesh':>7} " + " ".join(f"{k + ' MiB':>20}" for k in KINDS) + f" {'args MiB':>10} {'temp MiB':>10} {'ms/step':>9} {'x 1 device':>10}")
+    reference = None
+    for shape in MESHES:
+        overrides = ["device_type=cpu", *args.overrides, *(f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape))]
+        cfg = resolve_auto(load_config(args.config, overrides), "cpu")
+        mesh = build_mesh(cfg.mesh, jax.devices()[: shape[0] * shape[1] * shape[2]])
+        compiled = compile_step(cfg, mesh)
+        totals, memory = summary(collectives(compiled.as_text())), compiled.memory_analysis()
+        timing = ""
+        if not args.no_time:
+            step = seconds_per_step(cfg, mesh, args.steps)
+            reference = reference or step
+            timing = f" {step * 1e3:9.1f} {step / reference:10.2f}"
+        print(f"{'x'.join(map(str, shape)):>7} " + " ".join(f"{totals[k] / MiB:20.2f}" for k in KINDS) + f" {memory.argument_size_in_bytes / MiB:10.2f} {memory.temp_size_in_bytes / MiB:10.2f}" + timing)
+
+
+if __name__ == "__main__":
+    main()

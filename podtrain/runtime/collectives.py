@@ -1,0 +1,120 @@
+"""The collectives of a compiled program, read from its optimized HLO text.
+
+`collectives(compiled.as_text())` lists every collective instruction with how many times one
+execution of the program runs it: an instruction inside a scanned layer stack (an HLO while
+loop with a known trip count) counts once per layer. This is what the partitioner really
+emitted, so it shows what each mesh axis costs; tests audit it and `plan` predicts from it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+# Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
+# mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
+_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    shapes: tuple[tuple[int, ...], ...]  # the arrays it produces (a combined collective has several)
+    dtype: str
+    bytes: int  # of the whole arrays involved, once: all-gather's output, reduce-scatter's input
+    group_size: int | None  # devices in each replica group
+    replica_groups: str
+    count: int  # executions per run of the program (layers of a scan count each)
+    computation: str  # the HLO computation it sits in
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.count
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            bodies[name] = []
+            if line.startswith("ENTRY"):
+                bodies["__entry__"] = name
+        elif name and line.strip() and line.strip() != "}":
+            bodies[name].append(line)
+    return bodies
+
+
+def _multipliers(bodies: dict) -> dict[str, int]:
+    """Times each computation runs per execution of the entry one, through calls and while loops."""
+    times: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, n: int) -> None:
+        times[name] += n
+        for line in bodies.get(name, ()):
+            trip = _TRIP.search(line)
+            body = _BODY.search(line)
+            callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
+            for callee in callees:
+                if callee in bodies:
+                    visit(callee, n * (int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+
+    visit(bodies["__entry__"], 1)
+    return times
+
+
+def _group_size(groups: str) -> int | None:
+    if groups.startswith("{{"):
+        return len(groups[2:].split("}")[0].split(","))
+    if groups.startswith("["):
+        return int(groups[1:].split("]")[0].split(",")[-1])
+    if groups.startswith("mesh"):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", groups.split("]")[0]))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", groups.rsplit("{", 1)[1]))
+    return None
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective in an optimized HLO module's text, with its executions per run."""
+    bodies = _computations(hlo)
+    times = _multipliers(bodies)
+    found = []
+    for name, lines in bodies.items():
+        if name == "__entry__" or not times.get(name):
+            continue
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if not match:
+                continue
+            result, kind, started = match.groups()
+            arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result)]
+            if started and kind in ("all-gather", "collective-permute"):
+                arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]  # (inputs, outputs[, flags])
+            groups = _GROUPS.search(line)
+            group_size = _group_size(groups.group(1)) if groups else None
+            size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
+            if kind == "reduce-scatter":
+                size *= group_size or 1
+            found.append(Collective(kind, tuple(s for _, s in arrays), arrays[0][0], size, group_size, groups.group(1) if groups else "", times[name], name))
+    return found
+
+
+def summary(found: list[Collective]) -> dict[str, int]:
+    """Bytes per run of the program, by kind."""
+    totals = {kind: 0 for kind in KINDS}
+    for c in found:
+        totals[c.kind] += c.total_bytes
+    return totals
