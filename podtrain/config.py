@@ -269,9 +269,14 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}.H_cycles, L_cycles, halt_max_steps and puzzle_emb_len must each be at least 1.")
 
 
+SMALL_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+
+
 def tiny_model_overrides() -> list[str]:
-    """`--use-small-model`: the model dimensions of the embedded tiny job."""
-    return [f"model.{k}={v}" for k, v in dataclasses.asdict(ModelConfig()).items() if k != "name" and not isinstance(v, dict)]
+    """`--use-small-model`: the layer dimensions of the embedded tiny job. The vocabulary, sequence
+    length and precision stay the recipe's, so its data and train.seq_len still fit."""
+    tiny = ModelConfig()
+    return [f"model.{k}={getattr(tiny, k)}" for k in SMALL_MODEL_KEYS]
 
 
 def to_yaml(cfg: Config) -> str:

@@ -3,12 +3,16 @@
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 from podtrain.cli import parser
-from podtrain.config import Config, MeshConfig, load_config, mesh_from_env, resolve_auto
+from podtrain.config import Config, MeshConfig, load_config, mesh_from_env, resolve_auto, tiny_model_overrides
 from podtrain.errors import ConfigError, MeshError
 from podtrain.runtime.mesh import resolve_shape
+from podtrain.train import optim
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -19,7 +23,35 @@ def test_tiny_recipe_is_the_embedded_default():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_recipe_loads(recipe):
-    load_config(CONFIGS / recipe)
+    cfg = load_config(CONFIGS / recipe)
+    if cfg.model.name in ("hrm", "trm") and "tiny" not in recipe:
+        assert cfg.train.grad_clip == 0  # the references do not clip
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_small_model_fits_every_recipe(recipe):
+    recipe_cfg = load_config(CONFIGS / recipe)
+    cfg = load_config(CONFIGS / recipe, tiny_model_overrides())  # validates
+    assert (cfg.model.d_model, cfg.model.n_layers) == (128, 4)
+    assert (cfg.model.vocab_size, cfg.model.max_seq_len, cfg.train.seq_len) == (recipe_cfg.model.vocab_size, recipe_cfg.model.max_seq_len, recipe_cfg.train.seq_len)
+
+
+def test_warmup_trains_from_the_first_step():
+    t = load_config(None, ["train.steps=100", "train.warmup_steps=10", "train.lr=1e-3", "train.min_lr_ratio=0.1"]).train
+    lr = optim.schedule(t)
+    np.testing.assert_allclose([lr(0), lr(9), lr(99)], [1e-4, 1e-3, 1e-4], rtol=1e-5)
+    assert optim.warmup_note(t) is None
+    long = load_config(None, ["train.steps=5", "train.warmup_steps=10", "train.lr=1e-3"]).train
+    np.testing.assert_allclose([optim.schedule(long)(0), optim.schedule(long)(4)], [1e-4, 5e-4], rtol=1e-5)
+    assert "50% of train.lr" in optim.warmup_note(long)
+
+
+@pytest.mark.parametrize("clip,norm", [(0, 5.0), (1.0, 1.0)])
+def test_grad_clip_zero_turns_clipping_off(clip, norm):
+    tx = optim.clipping(load_config(None, [f"train.grad_clip={clip}"]).train)
+    grads = {"w": jnp.array([3.0, 4.0])}
+    clipped, _ = tx.update(grads, tx.init(grads))
+    np.testing.assert_allclose(optax.tree.norm(clipped), norm, rtol=1e-6)
 
 
 def test_overrides_take_precedence_over_yaml(tmp_path):

@@ -86,3 +86,22 @@ def test_streams_are_a_logical_axis_never_sharded():
     assert RULES["streams"] == ()
     spec = fns.abstract_params["layers"]["attn_mix"]["phi"].sharding.spec
     assert spec[2] is None and spec[1] == "fsdp"
+
+
+def test_bfloat16_streams_are_mixed_in_float32():
+    """Equal streams stay equal under a doubly stochastic H_res: in float32 the row sums are 1 to
+    ~1e-7, so streams of ones come back exactly 1 in bfloat16; H_res rounded to bfloat16 first would not."""
+    from flax import nnx
+
+    from podtrain.models.mhc import StreamMixer
+
+    cfg = load_config(None, MHC + ["model.compute_dtype=bfloat16", "model.mhc.alpha_init=3.0"]).model
+    mixer = StreamMixer(cfg, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 16, 4, cfg.d_model)).astype(jnp.bfloat16)
+    h_res = mixer.coefficients(x)[2]
+    assert float(jnp.abs(h_res - h_res.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 1e-4  # bfloat16 would round it
+    ones = jnp.ones_like(x)
+    mixer.coefficients = lambda _: tuple(jnp.asarray(h) for h in StreamMixer.coefficients(mixer, x))  # the diverse H_res of x
+    out = mixer(ones, lambda y: jnp.zeros_like(y))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)

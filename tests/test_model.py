@@ -31,4 +31,7 @@ def test_grouped_query_attention_shapes(small_overrides):
 def test_bfloat16_compute_keeps_float32_params_and_logits(small_overrides):
     model = small_model(small_overrides, ["model.compute_dtype=bfloat16"])
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
-    assert model(jnp.zeros((1, 8), jnp.int32)).dtype == jnp.float32
+    logits = model(jax.random.randint(jax.random.key(0), (2, 8), 0, 256))
+    assert logits.dtype == jnp.float32
+    # accumulated in float32, not rounded to bfloat16 and cast afterwards
+    assert (logits != logits.astype(jnp.bfloat16).astype(jnp.float32)).mean() > 0.9

@@ -56,6 +56,18 @@ def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
     np.testing.assert_array_equal(carry["halted"][0], ~halted)  # the continuing slots reached halt_max_steps
 
 
+def test_metrics_of_halted_slots_are_pooled_over_microbatches(puzzles):
+    """With grad_accum=2 and halts in one microbatch only, the metrics are those of that one, not NaN."""
+    state, step, batches = trainer([*puzzles, "model.name=trm", "mesh.data=1", "train.grad_accum=2", "model.trm.halt_exploration_prob=0"], n_devices=1)
+    state, metrics = step(state, batches[0])  # no slot halts at step 1 of halt_max_steps=2
+    assert np.isnan(float(metrics["act_steps"]))
+    restart = np.array([True] * 4 + [False] * 4).reshape(2, 4)  # microbatch 0 restarts, microbatch 1 reaches step 2 and halts
+    state["carry"] = {**state["carry"], "halted": jax.device_put(restart, state["carry"]["halted"].sharding)}
+    state, metrics = step(state, batches[1])
+    assert float(metrics["act_steps"]) == 2.0 and 0 <= float(metrics["cell_accuracy"]) <= 1
+    assert float(metrics["halted"]) == 0.5
+
+
 @pytest.mark.parametrize("name,shape,extra", [("trm", (1, 4, 2), ["model.trm.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])], ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"])
 def test_sharded_equals_unsharded(puzzles, name, shape, extra):
     common = [*puzzles, f"model.name={name}", *extra]

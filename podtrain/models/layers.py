@@ -26,8 +26,9 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
-    """float32 logits of x (..., embed) through an (embed, vocab) head laid out as HEAD."""
-    return constrain((x @ head.astype(dtype)).astype(jnp.float32), LOGITS)
+    """Logits of x (..., embed) through an (embed, vocab) head laid out as HEAD: inputs in the
+    compute dtype, accumulated and returned in float32 (MaxText's logits_dot_in_fp32)."""
+    return constrain(jnp.matmul(x.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32), LOGITS)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 

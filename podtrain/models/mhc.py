@@ -22,7 +22,8 @@ doubly stochastic with no iterations, so φ_res and b_res have n! outputs instea
 The token embedding is copied into the n streams; the streams are summed before the final norm.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
 `model.mhc.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
-The mixing coefficients are computed in float32; the mixing itself in the compute dtype.
+The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
+stored in the compute dtype between sub-layers.
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ class StreamMixer(nnx.Module):
         return jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post), h_res
 
     def __call__(self, x: jax.Array, branch) -> jax.Array:
-        h_pre, h_post, h_res = (h.astype(x.dtype) for h in self.coefficients(x))
-        y = branch(jnp.einsum("btn,btnc->btc", h_pre, x))
-        return constrain(jnp.einsum("btnm,btmc->btnc", h_res, x) + jnp.einsum("btn,btc->btnc", h_post, y), STREAMS)
+        """The coefficients and their products with the streams stay float32 (H_res doubly stochastic
+        to float32 precision); the sum returns to the compute dtype."""
+        h_pre, h_post, h_res = self.coefficients(x)
+        y = branch(jnp.einsum("btn,btnc->btc", h_pre, x, preferred_element_type=jnp.float32).astype(x.dtype))
+        mixed = jnp.einsum("btnm,btmc->btnc", h_res, x, preferred_element_type=jnp.float32) + jnp.einsum("btn,btc->btnc", h_post, y, preferred_element_type=jnp.float32)
+        return constrain(mixed.astype(x.dtype), STREAMS)
 
 
 class MhcBlock(llama.Block):

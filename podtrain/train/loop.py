@@ -15,6 +15,7 @@ from podtrain.config import Config, resolve_auto, save_config
 from podtrain.errors import ConfigError, TrainingDiverged
 from podtrain.models import is_reasoner
 from podtrain.runtime.mesh import data_parallel_size
+from podtrain.train import optim
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.lm import LanguageTask
 from podtrain.train.metrics import MetricsLog
@@ -78,6 +79,9 @@ def train(cfg: Config) -> dict:
         + (f"resuming from step {resumed}" if resumed is not None else "starting from scratch")
     )
 
+    note = optim.warmup_note(t)
+    if note:
+        console.print(f"[podtrain] note: {note}")
     tokens_per_step, flops_per_step = task.tokens_per_step, task.flops_per_step
     start = int(jax.device_get(state["step"]))
     if start >= t.steps:

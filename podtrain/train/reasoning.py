@@ -61,10 +61,9 @@ def _halts(q: jax.Array, no_continue: bool) -> jax.Array:
     return q[:, 0] > 0 if no_continue else q[:, 0] > q[:, 1]
 
 
-def _mean_where(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean of x over the mask; NaN (logged as null) where the mask is empty."""
-    count = mask.sum()
-    return jnp.where(count > 0, jnp.where(mask, x, 0).sum() / jnp.maximum(count, 1), jnp.nan)
+def _sum_where(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of x over the mask, its size): the train step pools these over microbatches."""
+    return jnp.where(mask, x, 0).sum().astype(jnp.float32), mask.sum()
 
 
 class PuzzleTask:
@@ -120,9 +119,9 @@ class PuzzleTask:
             halted = last | (_halts(q, r.no_ACT_continue) & (steps >= min_steps))
             metrics = {
                 **losses,
-                "cell_accuracy": _mean_where(correct.mean(-1), halted),
-                "exact_accuracy": _mean_where(exact, halted),
-                "act_steps": _mean_where(steps, halted),
+                "cell_accuracy": _sum_where(correct.mean(-1), halted),
+                "exact_accuracy": _sum_where(exact, halted),
+                "act_steps": _sum_where(steps, halted),
                 "halted": halted.mean(),
             }
             loss = lm_loss + 0.5 * (q_halt_loss + losses.get("q_continue_loss", 0.0))

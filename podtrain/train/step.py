@@ -25,8 +25,8 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
     microbatch's slice of state["carry"] (what a model keeps from one step to the next, e.g. the
     ACT state of HRM/TRM; None without one) and `key` is fresh randomness for every microbatch
     of every step. Microbatch gradients are summed in a scan inside the step, so accumulation
-    costs no extra dispatch and the accumulator lives sharded like the params; metrics are
-    averaged over the microbatches.
+    costs no extra dispatch and the accumulator lives sharded like the params. A metric is a
+    scalar, averaged over the microbatches, or a (sum, count) pair, pooled over them.
     """
     tx, lr = setup.tx, optim.schedule(cfg_train)
     param_shardings = shardings_of(setup.abstract_state["params"])
@@ -49,11 +49,19 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
             new_state["carry"] = carry
         if "ema" in state:
             new_state["ema"] = optax.incremental_update(new_state["params"], state["ema"], step_size=1 - cfg_train.ema)
-        metrics = {k: v.mean() for k, v in metrics.items()}
+        metrics = {k: _pool(v) for k, v in metrics.items()}
         return new_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
 
     state_shardings = shardings_of(abstract_state)
     return sharded_jit(step, mesh, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def _pool(metric) -> jax.Array:
+    """The mean over microbatches, or for (sums, counts) their ratio: NaN (logged as null) where nothing was counted."""
+    if isinstance(metric, tuple):
+        total, count = metric[0].sum(), metric[1].sum()
+        return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
+    return metric.mean()
 
 
 def mean_over_batches(eval_step, params, batches) -> dict:
