@@ -14,6 +14,8 @@ from flax import nnx
 from podtrain.runtime.mesh import constrain, shards
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 LOGITS = ("act_batch", "act_seq", "act_vocab")
 # Embedding tables and output heads in use: gathered over fsdp, split over the vocabulary under tensor.
 TABLE, HEAD = ("act_vocab", "act_embed"), ("act_embed", "act_vocab")
@@ -29,8 +31,6 @@ def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
     """Logits of x (..., embed) through an (embed, vocab) head laid out as HEAD: inputs in the
     compute dtype, accumulated and returned in float32 (MaxText's logits_dot_in_fp32)."""
     return constrain(jnp.matmul(x.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32), LOGITS)
-HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:

@@ -44,21 +44,21 @@ class Collective:
         return self.bytes * self.count
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    bodies, name = {}, None
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of each computation, and the entry computation's name."""
+    bodies, name, entry = {}, None, None
     for line in hlo.splitlines():
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             name = header.group(1)
             bodies[name] = []
-            if line.startswith("ENTRY"):
-                bodies["__entry__"] = name
+            entry = name if line.startswith("ENTRY") else entry
         elif name and line.strip() and line.strip() != "}":
             bodies[name].append(line)
-    return bodies
+    return bodies, entry
 
 
-def _multipliers(bodies: dict) -> dict[str, int]:
+def _multipliers(bodies: dict, entry: str) -> dict[str, int]:
     """Times each computation runs per execution of the entry one, through calls and while loops."""
     times: dict[str, int] = defaultdict(int)
 
@@ -72,7 +72,7 @@ def _multipliers(bodies: dict) -> dict[str, int]:
                 if callee in bodies:
                     visit(callee, n * (int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
 
-    visit(bodies["__entry__"], 1)
+    visit(entry, 1)
     return times
 
 
@@ -89,11 +89,11 @@ def _group_size(groups: str) -> int | None:
 
 def collectives(hlo: str) -> list[Collective]:
     """Every collective in an optimized HLO module's text, with its executions per run."""
-    bodies = _computations(hlo)
-    times = _multipliers(bodies)
+    bodies, entry = _computations(hlo)
+    times = _multipliers(bodies, entry)
     found = []
     for name, lines in bodies.items():
-        if name == "__entry__" or not times.get(name):
+        if not times.get(name):
             continue
         for line in lines:
             match = _INSTRUCTION.match(line)

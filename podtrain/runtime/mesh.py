@@ -9,7 +9,6 @@ turns fsdp into model parallelism with activation-sized all-reduces.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
@@ -99,22 +98,16 @@ def logical_sharding(names: tuple[str | None, ...], shape: tuple[int, ...], mesh
     return NamedSharding(mesh, logical_spec(names, shape, mesh))
 
 
-@contextlib.contextmanager
-def _tracing_on(mesh: Mesh):
-    token = _TRACING_MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _TRACING_MESH.reset(token)
-
-
 def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
     """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply."""
 
     @functools.wraps(fn)
     def on_mesh(*args, **kwargs):
-        with _tracing_on(mesh):
+        token = _TRACING_MESH.set(mesh)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _TRACING_MESH.reset(token)
 
     return jax.jit(on_mesh, **jit_kwargs)
 
