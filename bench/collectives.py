@@ -24,21 +24,20 @@ import jax  # noqa: E402
 from podtrain.config import load_config, resolve_auto  # noqa: E402
 from podtrain.runtime.collectives import KINDS, collectives, summary  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
-from podtrain.train.loop import compile_step, make_task  # noqa: E402
-from podtrain.train.state import train_setup  # noqa: E402
+from podtrain.train.loop import build, compile_step  # noqa: E402
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
 MiB = 2**20
 
 
 def seconds_per_step(cfg, mesh, steps: int) -> float:
-    task = make_task(cfg, train_setup(cfg, mesh), mesh)
-    state = task.init_state()
-    state, _ = task.step(state, task.batches[0])  # compile
+    job = build(cfg, mesh)
+    state = job.init_state(cfg.seed)
+    state, _ = job.step(state, job.task.batches[0])  # compile
     jax.block_until_ready(state)
     start = time.perf_counter()
     for i in range(1, steps + 1):
-        state, _ = task.step(state, task.batches[i])
+        state, _ = job.step(state, job.task.batches[i])
     jax.block_until_ready(state)
     return (time.perf_counter() - start) / steps
 

@@ -11,11 +11,10 @@ from podtrain.errors import ConfigError, PodtrainError
 
 def _config(args):
     """The config of a train or doctor command line: file, setup-guide flags, then overrides."""
-    from podtrain.config import FLAG_ALIASES, load_config, tiny_model_overrides
+    from podtrain.config import FLAG_ALIASES, load_config
 
-    overrides = tiny_model_overrides() if getattr(args, "use_small_model", False) else []
-    overrides += [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
-    return load_config(args.config, overrides + args.overrides)
+    overrides = [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
+    return load_config(args.config, overrides + args.overrides, small_model=getattr(args, "use_small_model", False))
 
 
 def _train(args) -> None:

@@ -22,50 +22,27 @@ from podtrain.errors import ConfigError
 
 
 @dataclass
-class MhcConfig:
-    streams: int = 4  # parallel residual streams (n)
-    sinkhorn_iters: int = 20
-    projection: str = "sinkhorn"  # sinkhorn (mHC) | permutations (mHC-lite, streams <= 4)
-    alpha_init: float = 0.01  # initial gate of the input-dependent part of the mixing
-
-
-@dataclass
-class RecursiveConfig:
-    """HRM / TRM recursion, under the names of their reference configs."""
-
-    H_cycles: int = 3
-    L_cycles: int = 6
-    H_layers: int = 0  # HRM's high-level module; TRM has one network (L_layers) for both updates
-    L_layers: int = 2
-    halt_max_steps: int = 16
-    halt_exploration_prob: float = 0.1
-    no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
-    puzzle_emb_len: int = 16  # sequence positions in front of the puzzle for its learned embedding
-    num_puzzle_ids: int = 1  # one shared puzzle embedding for Sudoku
-    mlp_t: bool = False  # TRM: an MLP across the sequence instead of attention (the Sudoku variant)
-
-
-@dataclass
 class ModelConfig:
+    """The keys every model family has. Each family's config, beside its model and registered by
+    name in podtrain.models, adds its own; `model.name` picks which one a config is checked against."""
+
     name: str = "llama"
     vocab_size: int = 256
     d_model: int = 128
-    n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int = 2
     d_ff: int = 384
     max_seq_len: int = 256
-    tie_embeddings: bool = True
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    init_std: float = 0.02
     remat: str = "none"  # none | full | dots
-    scan_unroll: int = 1  # layers per scan iteration; n_layers unrolls fully
+    scan_unroll: int = 1  # layers per scan iteration; the layer count unrolls fully
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
-    mhc: MhcConfig = field(default_factory=MhcConfig)  # used by model.name=mhc
-    hrm: RecursiveConfig = field(default_factory=lambda: RecursiveConfig(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4, puzzle_emb_len=1, no_ACT_continue=False))
-    trm: RecursiveConfig = field(default_factory=RecursiveConfig)
+
+    def validate(self) -> None:
+        """Relations between this family's keys; subclasses add theirs."""
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick sizes whose ratio is the head dimension.")
 
 
 @dataclass
@@ -77,9 +54,10 @@ class MeshConfig:
 
 @dataclass
 class TrainConfig:
+    """The keys of every task; a task adds its own (TextTrainConfig)."""
+
     steps: int = 200
     batch_size: int = 16  # global, across all devices and processes
-    seq_len: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -92,7 +70,18 @@ class TrainConfig:
     log_every: int = 20
     eval_every: int = 100
     eval_batches: int = 8
+
+
+@dataclass
+class TextTrainConfig(TrainConfig):
+    """Language modelling: the window length and the closing sample."""
+
+    seq_len: int = 256
     sample_tokens: int = 200  # text sampled from the model at the end; 0 for none
+
+
+# A task's train keys: a puzzle's length is the data's, and puzzles are not sampled.
+TRAIN_CONFIGS = {"text": TextTrainConfig, "puzzles": TrainConfig}
 
 
 @dataclass
@@ -117,9 +106,9 @@ class DistributedConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the family's config, by model.name
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # the task's, by the family's task
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -132,14 +121,34 @@ class Config:
         return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
 
 
+def default_config(model: str = "llama") -> Config:
+    """The defaults for model family `model`: its model keys and its task's train keys. With
+    `llama`, the embedded tiny job."""
+    from podtrain.models import MODELS  # the families' configs live beside their models
+
+    if model not in MODELS:
+        match = difflib.get_close_matches(str(model), MODELS, n=1)
+        hint = f" Did you mean {match[0]}?" if match else ""
+        raise ConfigError(f"model.name={model!r} is not a known model; choose one of: {', '.join(MODELS)}.{hint}")
+    family = MODELS[model]
+    return Config(model=family.config(), train=TRAIN_CONFIGS[family.task]())
+
+
 CHOICES = {
     "device_type": ("auto", "tpu", "gpu", "cuda", "cpu"),
     "model.remat": ("none", "full", "dots"),
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn"),
-    "model.mhc.projection": ("sinkhorn", "permutations"),
+    "model.projection": ("sinkhorn", "permutations"),
     "data.source": ("pydoc", "text", "sudoku"),
 }
+
+# Integer keys that count something and so must be at least 1, where the family has them.
+POSITIVE = (
+    "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every",
+    "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll", "model.streams", "model.sinkhorn_iters",
+    "model.H_cycles", "model.L_cycles", "model.H_layers", "model.L_layers", "model.halt_max_steps", "model.puzzle_emb_len",
+)  # fmt: skip
 
 # Flags from the setup guides, each an alias of one config key.
 FLAG_ALIASES = {
@@ -157,18 +166,13 @@ FLAG_ALIASES = {
 MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
 
 
-def all_keys(node: Any = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, e.g. `train.lr`."""
+def all_keys(node: Any) -> list[str]:
+    """Every dotted key of a config, e.g. `train.lr`."""
     keys = []
     for f in dataclasses.fields(node):
-        section = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        keys += all_keys(section, f"{prefix}{f.name}.") if dataclasses.is_dataclass(section) else [prefix + f.name]
+        value = getattr(node, f.name)
+        keys += [f"{f.name}.{k}" for k in all_keys(value)] if dataclasses.is_dataclass(value) else [f.name]
     return keys
-
-
-def _closest(key: str) -> str:
-    match = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-    return f" Did you mean `{match[0]}`?" if match else ""
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -204,15 +208,26 @@ def mesh_from_env(environ=os.environ) -> list[str]:
     return overrides
 
 
-def _merge(layers: list[Any]) -> Config:
+def _model_name(layers: list[Any]) -> str:
+    """The `model.name` the layers end on (llama if none sets it)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), *layers)
-        return OmegaConf.to_object(merged)
+        name = OmegaConf.select(OmegaConf.merge(*layers), "model.name", default="llama") if layers else "llama"
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Invalid config: {e.msg}") from None
+    return str(name)
+
+
+def _merge(defaults: Config, layers: list[Any]) -> Config:
+    schema = OmegaConf.structured(defaults)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, *layers))
     except ConfigKeyError as e:
         key = e.full_key or str(e.key)
-        raise ConfigError(f"Unknown config key `{key}`.{_closest(key)} All keys are listed in the README.") from None
+        match = difflib.get_close_matches(key, all_keys(defaults), n=1, cutoff=0.5)
+        hint = f" Did you mean `{match[0]}`?" if match else ""
+        raise ConfigError(f"Unknown config key `{key}` for model.name={defaults.model.name}.{hint} The README lists the keys of each model.") from None
     except ValidationError as e:
-        expected = type(OmegaConf.select(OmegaConf.structured(Config), e.full_key)).__name__ if e.full_key else "?"
+        expected = type(OmegaConf.select(schema, e.full_key)).__name__ if e.full_key else "?"
         raise ConfigError(f"Config key `{e.full_key}` got {e.value!r}, which is not a valid {expected}. Give a value of type {expected}.") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"Invalid config: {e.msg}") from None
@@ -225,58 +240,52 @@ def parse_overrides(items: list[str]) -> list[str]:
     return list(items)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), environ=os.environ) -> Config:
+# `--use-small-model`: the layer sizes of the embedded tiny job, where the family has them.
+SMALL_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), environ=os.environ, small_model: bool = False) -> Config:
+    """The config of `path` with `overrides`, checked against the keys of its model family.
+    `small_model` swaps in the tiny job's layer sizes; the vocabulary, sequence length and
+    precision stay the recipe's, so its data and train.seq_len still fit."""
     layers = [OmegaConf.create(_read_yaml(path))] if path else []
     try:
         layers.append(OmegaConf.from_dotlist(mesh_from_env(environ) + parse_overrides(list(overrides))))
     except OmegaConfBaseException as e:
         raise ConfigError(f"Could not parse overrides: {e.msg}") from None
-    cfg = _merge(layers)
+    defaults = default_config(_model_name(layers))
+    if small_model:
+        tiny = default_config().model
+        sizes = [f"model.{k}={getattr(tiny, k)}" for k in SMALL_MODEL_KEYS if hasattr(defaults.model, k)]
+        layers.insert(len(layers) - 1, OmegaConf.from_dotlist(sizes))
+    cfg = _merge(defaults, layers)
     validate(cfg)
     return cfg
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need more than a type: choices and relations between values."""
+    """Checks that need more than a type: choices, ranges and relations between values."""
     tree = OmegaConf.structured(cfg)
     for key, options in CHOICES.items():
         value = OmegaConf.select(tree, key)
-        if value not in options:
+        if value is not None and value not in options:
             raise ConfigError(f"Config key `{key}` is {value!r}; choose one of: {', '.join(options)}.")
-    m, t = cfg.model, cfg.train
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; pick sizes whose ratio is the head dimension.")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads.")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
-    for key in ("train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every", "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll", "model.mhc.streams", "model.mhc.sinkhorn_iters"):
-        if OmegaConf.select(tree, key) < 1:
+    for key in POSITIVE:
+        value = OmegaConf.select(tree, key)
+        if value is not None and value < 1:
             raise ConfigError(f"Config key `{key}` must be at least 1.")
+    cfg.model.validate()
+    t = cfg.train
+    if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
     if not 0 <= t.ema < 1:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1): the EMA decay per step (e.g. 0.999), or 0 for no EMA.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
-    if m.mhc.projection == "permutations" and m.mhc.streams > 4:
-        raise ConfigError(f"model.mhc.projection=permutations mixes all {m.mhc.streams}! permutations of the streams; use model.mhc.streams<=4 or projection=sinkhorn.")
     if cfg.data.source == "text" and not cfg.data.path:
         raise ConfigError("data.source=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files).")
     if cfg.data.source == "sudoku" and not cfg.data.path:
         raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
-    for key in ("model.hrm", "model.trm"):
-        r = OmegaConf.select(tree, key)
-        if r.halt_max_steps < 1 or r.H_cycles < 1 or r.L_cycles < 1 or r.puzzle_emb_len < 1:
-            raise ConfigError(f"{key}.H_cycles, L_cycles, halt_max_steps and puzzle_emb_len must each be at least 1.")
-
-
-SMALL_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
-
-
-def tiny_model_overrides() -> list[str]:
-    """`--use-small-model`: the layer dimensions of the embedded tiny job. The vocabulary, sequence
-    length and precision stay the recipe's, so its data and train.seq_len still fit."""
-    tiny = ModelConfig()
-    return [f"model.{k}={getattr(tiny, k)}" for k in SMALL_MODEL_KEYS]
 
 
 def to_yaml(cfg: Config) -> str:

@@ -5,16 +5,15 @@ import numpy as np
 
 from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.loop import make_task
-from podtrain.train.state import train_setup
+from podtrain.train.loop import build
 
 
 def trainer(overrides, n_devices):
     """(initial state, jitted step, batches) for the config and mesh in `overrides`."""
     cfg = load_config(None, overrides)
     mesh = build_mesh(cfg.mesh, jax.devices()[:n_devices])
-    task = make_task(cfg, train_setup(cfg, mesh), mesh)
-    return task.init_state(), task.step, task.batches
+    job = build(cfg, mesh)
+    return job.init_state(cfg.seed), job.step, job.task.batches
 
 
 def run_steps(overrides, n_devices, n_steps=3):

@@ -3,10 +3,28 @@
 import json
 import shutil
 
+import jax
 import numpy as np
 
 from podtrain.cli import main
+from podtrain.config import MeshConfig, load_config
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
+from podtrain.train.sample import sample
+from podtrain.train.state import model_fns
+
+
+def expected_sample(checkpoints, prompt, n, seed):
+    """The text `n` new tokens sampled at temperature 0.8 from the latest checkpoint in `checkpoints`."""
+    cfg = load_config(checkpoints.parent / "config.yaml")
+    fns = model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+    checkpointer = Checkpointer(checkpoints)
+    params = checkpointer.restore({"params": fns.abstract_params})["params"]
+    checkpointer.close()
+    text = sample(fns, params, prompt, n, 0.8, cfg.train.seq_len, seed)
+    assert text  # n new bytes decode to at least one character
+    return text
 
 
 def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
@@ -27,8 +45,14 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
     assert "resuming from step 6" in capsys.readouterr().out
     assert read_metrics(run)[-1]["step"] == 8
 
-    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "12"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    # generate reads the run directory it is given, also once moved away from the run_dir in its config
+    moved = tmp_path / "moved"
+    shutil.move(run, moved)
+    assert main(["generate", str(moved), "--prompt", "def ", "--max-new-tokens", "12", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("def ") and printed.endswith("\n")
+    assert printed[len("def ") : -1] == expected_sample(moved / "checkpoints", "def ", 12, seed=3)
+    run = moved
 
     assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,18 +1,22 @@
-"""mHC: the projections are doubly stochastic, n=1 with identity mixing is Llama, and it shards like Llama."""
+"""mHC: the projections are doubly stochastic and weigh the right permutations, identity mixing is Llama
+(n=1 and n=4), each coefficient acts on the right streams, and it shards like Llama."""
+
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL
+from flax import nnx
 from helpers import run_steps
 
 from podtrain.config import MeshConfig, load_config
-from podtrain.models.mhc import permutation_mixture, sinkhorn
-from podtrain.runtime.mesh import RULES, build_mesh
+from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
+from podtrain.runtime.mesh import build_mesh, sharded_jit
 from podtrain.train.state import model_fns
 
-MHC = SMALL + ["model.name=mhc", "model.mhc.streams=4"]
+MHC = SMALL + ["model.name=mhc", "model.streams=4"]
 
 
 def assert_doubly_stochastic(p, atol=1e-5):
@@ -36,8 +40,15 @@ def test_sinkhorn_stays_finite_at_1e4_in_bfloat16():
     np.testing.assert_allclose(p.sum(-1), 1, atol=1e-5)  # rows are normalised last
 
 
-def test_permutation_mixture_is_exactly_doubly_stochastic():
-    assert_doubly_stochastic(permutation_mixture(jax.random.normal(jax.random.key(2), (16, 24)) * 1e4, 4), atol=1e-6)
+def test_permutation_mixture_weighs_the_permutations_in_order():
+    """Logit k weighs P_k, the k-th of itertools.permutations with (P_k x)_i = x[perm_k[i]]: a
+    one-hot 1e4 logit gives P_k exactly, and softmax weights 0.3, 0.7 give 0.3 P + 0.7 P' (hand-written)."""
+    perms = np.array(list(itertools.permutations(range(4))))
+    np.testing.assert_array_equal(permutation_mixture(1e4 * jnp.eye(24), 4), np.eye(4)[perms])  # row i of P_k is e_{perm_k[i]}
+    logits = jnp.full((2, 6), -jnp.inf).at[0, 1].set(jnp.log(0.3)).at[0, 3].set(jnp.log(0.7)).at[1, 5].set(0.0)
+    mixed = np.array([[0.3, 0.7, 0], [0, 0, 1], [0.7, 0.3, 0]])  # 0.3 P(0, 2, 1) + 0.7 P(1, 2, 0)
+    reverse = np.array([[0, 0, 1], [0, 1, 0], [1, 0, 0]])  # P(2, 1, 0)
+    np.testing.assert_allclose(permutation_mixture(logits, 3), np.stack([mixed, reverse]), rtol=0, atol=1e-6)
 
 
 def _model(overrides):
@@ -51,7 +62,7 @@ def _model(overrides):
 
 def test_one_stream_with_identity_mixing_is_llama():
     llama, llama_params, tokens = _model(SMALL)
-    mhc, params, _ = _model(SMALL + ["model.name=mhc", "model.mhc.streams=1"])
+    mhc, params, _ = _model(SMALL + ["model.name=mhc", "model.streams=1"])
     shared = {k: v for k, v in llama_params.items() if k != "layers"}
     layers = {**params["layers"], **llama_params["layers"]}
     for mixer in ("attn_mix", "mlp_mix"):
@@ -63,14 +74,58 @@ def test_one_stream_with_identity_mixing_is_llama():
     assert not np.allclose(mhc.apply(params, tokens), llama.apply(llama_params, tokens), atol=1e-3)  # the mixing matters
 
 
+def test_four_streams_with_identity_mixing_are_llama():
+    """n=4 with the bias laid out (pre n, post n, res n·n) and α=0: H_res = Sinkhorn(±30) = I, H_pre =
+    σ(±30) reads stream 0 alone, H_post = 2σ(0) = 1 adds the branch to every stream. The streams start
+    as copies of the embedding and get the same updates, so each is Llama's residual and their sum is
+    4x Llama's; with norm_eps=0 the final RMSNorm divides the factor out exactly. With H_post writing
+    into stream 0 alone, the sum keeps 3 copies of the embedding and the logits differ."""
+    llama, llama_params, tokens = _model(SMALL + ["model.norm_eps=0"])
+    mhc, params, _ = _model(MHC + ["model.norm_eps=0"])
+    shared = {k: v for k, v in llama_params.items() if k != "layers"}
+    layers = {**params["layers"], **llama_params["layers"]}
+    res = jnp.where(jnp.eye(4, dtype=bool), 30.0, -30.0).ravel()
+
+    def mixing(post):
+        """Llama's weights, and every mixer at α=0 with the bias (pre, post, res) for this H_post."""
+        bias = jnp.tile(jnp.concatenate([jnp.array([30.0, -30, -30, -30]), jnp.array(post), res]), (2, 1))  # 2 layers
+        mixers = {m: {**layers[m], "alpha": jnp.zeros_like(layers[m]["alpha"]), "bias": bias} for m in ("attn_mix", "mlp_mix")}
+        return {**params, **shared, "layers": {**layers, **mixers}}
+
+    expected, apply = llama.apply(llama_params, tokens), jax.jit(mhc.apply)
+    np.testing.assert_allclose(apply(mixing([0.0, 0, 0, 0]), tokens), expected, rtol=0, atol=1e-5)
+    assert not np.allclose(apply(mixing([0.0, -30, -30, -30]), tokens), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("projection", ["sinkhorn", "permutations"])
+def test_stream_mixer_reads_writes_and_mixes_the_right_streams(projection):
+    """x_{l+1} = H_res x + H_postᵀ F(H_pre x), coefficients from the bias alone (α=0): H_pre reads
+    stream 1, H_post writes F into stream 2 alone, and H_res is the cyclic shift whose entry [i, j]
+    (res bias i·n + j, or the logit of permutation (1, 2, 3, 0)) moves stream j = i+1 into stream i.
+    A transposed H_res would shift the other way, and H_pre or H_post on the wrong stream would show."""
+    cfg = load_config(None, MHC + [f"model.projection={projection}", "model.alpha_init=0"]).model
+    mixer = StreamMixer(cfg, nnx.Rngs(0))
+    shift = np.roll(np.eye(4), 1, axis=1)  # shift[i, (i + 1) % 4] = 1
+    if projection == "sinkhorn":
+        res = np.where(shift, 30.0, -30.0).ravel()
+    else:
+        res = np.where(np.arange(24) == list(itertools.permutations(range(4))).index((1, 2, 3, 0)), 30.0, -30.0)
+    mixer.bias[...] = jnp.asarray(np.concatenate([[-30.0, 30, -30, -30], [-30.0, -30, 0, -30], res]), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4, cfg.d_model))
+    out = jax.jit(lambda x: mixer(x, lambda y: 2 * y + 1))(x)
+    expected = np.roll(np.asarray(x), -1, axis=2)  # stream i <- stream i + 1
+    expected[:, :, 2] += 2 * x[:, :, 1] + 1
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def unsharded():
-    return {p: run_steps(MHC + [f"model.mhc.projection={p}", "mesh.data=1"], n_devices=1) for p in ("sinkhorn", "permutations")}
+    return {p: run_steps(MHC + [f"model.projection={p}", "mesh.data=1"], n_devices=1) for p in ("sinkhorn", "permutations")}
 
 
 @pytest.mark.parametrize("projection,shape", [("sinkhorn", (2, 2, 2)), ("sinkhorn", (1, 1, 8)), ("permutations", (2, 2, 2))])
 def test_sharded_equals_unsharded(projection, shape, unsharded):
-    overrides = MHC + [f"model.mhc.projection={projection}"]
+    overrides = MHC + [f"model.projection={projection}"]
     ref_losses, ref_params = unsharded[projection]
     losses, params = run_steps(overrides + [f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
@@ -79,23 +134,27 @@ def test_sharded_equals_unsharded(projection, shape, unsharded):
 
 
 def test_streams_are_a_logical_axis_never_sharded():
+    """On fsdp=2 x tensor=4, where tensor could split the 4 streams and the 24 coefficients: φ is split
+    over fsdp along embed only, the bias is replicated, and every shard of the streams a mixer returns
+    holds all 4 streams and all features of its half of the batch."""
     cfg = load_config(None, MHC)
-    fns = model_fns(cfg, build_mesh(MeshConfig(1, 2, 4), jax.devices()))
+    mesh = build_mesh(MeshConfig(1, 2, 4), jax.devices())
+    fns = model_fns(cfg, mesh)
     mixer = fns.logical_axes["layers"]["attn_mix"]
     assert mixer["phi"] == ("layers", "embed", "streams") and mixer["bias"] == ("layers", "streams")
-    assert RULES["streams"] == ()
-    spec = fns.abstract_params["layers"]["attn_mix"]["phi"].sharding.spec
+    abstract = fns.abstract_params["layers"]["attn_mix"]
+    spec = abstract["phi"].sharding.spec
     assert spec[2] is None and spec[1] == "fsdp"
+    assert abstract["bias"].sharding.is_fully_replicated
+    x = jax.random.normal(jax.random.key(1), (2, 16, 4, cfg.model.d_model))
+    streams = sharded_jit(lambda x: StreamMixer(cfg.model, nnx.Rngs(0))(x, lambda y: y), mesh)(x)
+    assert {s.data.shape for s in streams.addressable_shards} == {(1, 16, 4, cfg.model.d_model)}
 
 
 def test_bfloat16_streams_are_mixed_in_float32():
     """Equal streams stay equal under a doubly stochastic H_res: in float32 the row sums are 1 to
     ~1e-7, so streams of ones come back exactly 1 in bfloat16; H_res rounded to bfloat16 first would not."""
-    from flax import nnx
-
-    from podtrain.models.mhc import StreamMixer
-
-    cfg = load_config(None, MHC + ["model.compute_dtype=bfloat16", "model.mhc.alpha_init=3.0"]).model
+    cfg = load_config(None, MHC + ["model.compute_dtype=bfloat16", "model.alpha_init=3.0"]).model
     mixer = StreamMixer(cfg, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 16, 4, cfg.d_model)).astype(jnp.bfloat16)
     h_res = mixer.coefficients(x)[2]

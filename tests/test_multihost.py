@@ -19,9 +19,9 @@ from podtrain.config import MeshConfig, load_config
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.loop import make_task
+from podtrain.train.loop import build
 from podtrain.train.metrics import read_metrics
-from podtrain.train.state import train_setup
+from podtrain.train.sample import sample
 
 TESTS = Path(__file__).parent
 # Children get their own fake device count from `launch`, and no stray cluster variables.
@@ -37,7 +37,7 @@ def podtrain(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
 def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     run = tmp_path / "run"
     overrides = SMALL + [f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}", "train.steps=3"]
-    args = ["train.log_every=1", "train.eval_batches=1", "train.sample_tokens=0", f"run_dir={run}"]
+    args = ["train.log_every=1", "train.eval_batches=1", "train.sample_tokens=8", f"run_dir={run}"]
     done = podtrain("launch", "--nproc", str(nproc), "--devices-per-proc", str(per_proc), "--", "train", *overrides, *args, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} tensor={mesh[2]}" in done.stdout
@@ -48,15 +48,22 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     np.testing.assert_allclose(logged, losses, rtol=0, atol=1e-5)
     cfg = load_config(None, SMALL + ["train.eval_batches=1"])
     one_device = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    setup = train_setup(cfg, one_device)
+    job = build(cfg, one_device)
     checkpointer = Checkpointer(run / "checkpoints")
-    restored = checkpointer.restore({"params": setup.fns.abstract_params})["params"]
+    restored = checkpointer.restore({"params": job.setup.fns.abstract_params})["params"]
     checkpointer.close()
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-5), restored, params)
 
     # The logged eval loss is the mean over the whole batch, whichever process held which rows.
     logged_val = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
-    np.testing.assert_allclose(logged_val, [make_task(cfg, setup, one_device).evaluate(restored)["val_loss"]], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(logged_val, [job.evaluate(restored)["val_loss"]], rtol=0, atol=1e-5)
+
+    # The closing sample runs on every process over params that span them all; process 0 prints
+    # what one device samples from the same weights.
+    lines = done.stdout.splitlines()
+    printed = lines[lines.index("[0] [podtrain] sample:") + 1].removeprefix("[0] ")
+    expected = "The " + sample(job.setup.fns, restored, "The ", 8, 0.8, cfg.train.seq_len, cfg.seed)
+    assert printed == expected.splitlines()[0]
 
 
 def test_each_process_reads_its_own_rows(tmp_path):

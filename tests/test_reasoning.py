@@ -1,5 +1,6 @@
 """Deep supervision with ACT for HRM and TRM: the loss, the carry between steps, sharding, resume, errors."""
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -10,16 +11,16 @@ import pytest
 from helpers import run_steps, trainer
 
 from podtrain.cli import main
+from podtrain.config import load_config
 from podtrain.data import sudoku
 from podtrain.train.metrics import read_metrics
-from podtrain.train.reasoning import split, stablemax_cross_entropy
+from podtrain.train.reasoning import CELLS, act_loss, split, stablemax_cross_entropy
 
-TINY = [
-    "model.vocab_size=11", "model.max_seq_len=81", "train.seq_len=81", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2",
-    "model.d_ff=64", "model.compute_dtype=float32", "device_type=cpu", "train.batch_size=8", "train.lr=3e-3",
-    "model.trm.H_cycles=2", "model.trm.L_cycles=1", "model.trm.puzzle_emb_len=4", "model.trm.halt_max_steps=2",
-    "model.hrm.H_cycles=2", "model.hrm.L_cycles=1", "model.hrm.H_layers=1", "model.hrm.L_layers=1", "model.hrm.halt_max_steps=2",
-]
+TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.compute_dtype=float32", "device_type=cpu", "train.batch_size=8", "train.lr=3e-3"]
+RECURSION = {
+    "trm": ["model.name=trm", "model.H_cycles=2", "model.L_cycles=1", "model.puzzle_emb_len=4", "model.halt_max_steps=2"],
+    "hrm": ["model.name=hrm", "model.H_cycles=2", "model.L_cycles=1", "model.H_layers=1", "model.L_layers=1", "model.halt_max_steps=2"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +37,143 @@ def test_stablemax_cross_entropy():
     assert np.isfinite(grad).all()  # also where the unused branch 1 / (1 - x) has a pole
 
 
+class StandIn:
+    """A model for act_loss whose outputs the test sets: its logits, and its Q logits call by call
+    (HRM calls twice: the segment, then the next one for the continue target; the last entry
+    repeats). It records what it is called with (see run_act) and returns the latents plus one."""
+
+    def __init__(self, cfg, qs, logits=None):
+        self.cfg, self.qs, self.logits, self.calls = cfg, qs, logits, []
+
+    def initial_carry(self, batch):
+        return jnp.full((batch, 2, 3), -1.0), jnp.full((batch, 2, 3), -2.0)
+
+    def __call__(self, carry, tokens, puzzle_ids):
+        self.calls.append((carry, tokens, puzzle_ids))
+        q = jnp.asarray(self.qs[min(len(self.calls), len(self.qs)) - 1], jnp.float32)
+        logits = jnp.zeros((len(tokens), CELLS, sudoku.VOCAB)) if self.logits is None else self.logits
+        return jax.tree.map(lambda z: z + 1, carry), logits, q
+
+
+def run_act(model, carry, rows, key):
+    """act_loss jitted, as the train step runs it (eagerly its many small ops would each compile),
+    and the inputs of each of the model's calls."""
+    return jax.jit(lambda *args: (act_loss(model, *args), model.calls))(carry, rows, key)
+
+
+def act_config(name, **changes):
+    return dataclasses.replace(load_config(None, [f"model.name={name}"]).model, **{"halt_exploration_prob": 0.0, **changes})
+
+
+def puzzle_rows(n, seed):
+    """n rows [puzzle id, 81 inputs, 81 labels], ids and tokens distinct from another seed's."""
+    rng = np.random.default_rng(seed)
+    ids = 100 * seed + np.arange(n)[:, None]
+    return jnp.asarray(np.concatenate([ids, rng.integers(0, 11, (n, CELLS)), rng.integers(1, 11, (n, CELLS))], axis=1), jnp.int32)
+
+
+def act_carry(data, steps, halted):
+    """A carry whose latents tell the slots apart: slot i holds i in z_H and 100 + i in z_L."""
+    z = jnp.broadcast_to(jnp.arange(len(data), dtype=jnp.float32)[:, None, None], (len(data), 2, 3))
+    return {"z_h": z, "z_l": z + 100, "steps": jnp.asarray(steps, jnp.int32), "halted": jnp.broadcast_to(jnp.asarray(halted), (len(data),)), "data": data}
+
+
+def bce(logit, target):
+    p = 1 / (1 + np.exp(-np.asarray(logit)))
+    return -np.mean(target * np.log(p) + (1 - target) * np.log(1 - p))
+
+
+@pytest.mark.parametrize("name,halts", [("trm", [1, 0, 1, 0, 0, 1]), ("hrm", [0, 1, 1, 1, 0, 1])])
+def test_q_head_halts_a_slot_before_the_last_step(name, halts):
+    """TRM halts a slot when q_halt > 0, HRM when q_halt > q_continue (q = (1, 2), (-1, -2) and (0, -1)
+    tell the rules apart); the last slot reaches halt_max_steps and halts whatever its Q head says.
+    act_steps sums the steps of the halted slots only."""
+    q = [[1.0, 2.0], [-1.0, -2.0], [1.0, 0.0], [0.0, -1.0], [-1.0, 0.0], [-1.0, 0.0]]
+    model = StandIn(act_config(name, halt_max_steps=4), [q])
+    (_, (carry, metrics)), _ = run_act(model, act_carry(puzzle_rows(6, 0), [1, 1, 1, 1, 1, 3], False), puzzle_rows(6, 1), jax.random.key(0))
+    np.testing.assert_array_equal(carry["steps"], [2, 2, 2, 2, 2, 4])
+    np.testing.assert_array_equal(carry["halted"], np.array(halts, bool))
+    halted_steps = np.array([2, 2, 2, 2, 2, 4])[np.array(halts, bool)]
+    assert (float(metrics["act_steps"][0]), int(metrics["act_steps"][1])) == (halted_steps.sum(), len(halted_steps))
+
+
+@pytest.mark.parametrize("prob", [0.5, 1.0])
+def test_exploration_delays_halting_to_a_drawn_step(prob):
+    """With probability halt_exploration_prob a slot whose Q head says halt goes on to a minimum step
+    drawn from [2, halt_max_steps]: the draw is reproduced from the key as act_loss splits it, and
+    the share that halts is about what that draw implies over steps 1..8 ((1 - prob) + prob / 2)."""
+    n, last, key = 512, 8, jax.random.key(3)
+    model = StandIn(act_config("trm", halt_max_steps=last, halt_exploration_prob=prob), [jnp.tile(jnp.array([5.0, -5.0]), (n, 1))])
+    (_, (carry, _)), _ = run_act(model, act_carry(puzzle_rows(n, 0), np.arange(n) % last, False), puzzle_rows(n, 1), key)
+    steps, halted = np.asarray(carry["steps"]), np.asarray(carry["halted"])
+    explore, draw = jax.random.split(key)
+    min_steps = jnp.where(jax.random.bernoulli(explore, prob, (n,)), jax.random.randint(draw, (n,), 2, last + 1), 0)
+    np.testing.assert_array_equal(halted, steps >= min_steps)
+    assert halted[steps == last].all() and (prob < 1 or not halted[steps == 1].any())
+    assert abs(halted.mean() - (1 - prob / 2)) < 0.1
+
+
+def test_q_continue_learns_the_next_segments_q():
+    """HRM's q_continue learns sigmoid(max Q) of the next segment, run from this segment's latents,
+    or sigmoid(next q_halt) at the last step; the carry keeps this segment's latents."""
+    q = [[0.0, 1.0], [0.0, -2.0], [0.0, 0.5]]
+    next_q = [[3.0, -1.0], [-1.0, 2.0], [-1.0, 2.0]]  # the last slot's larger logit is q_continue, but it is at step 4
+    model = StandIn(act_config("hrm", halt_max_steps=4), [q, next_q])
+    state = act_carry(puzzle_rows(3, 0), [1, 1, 3], False)
+    (_, (carry, metrics)), calls = run_act(model, state, puzzle_rows(3, 1), jax.random.key(0))
+    target = 1 / (1 + np.exp(-np.array([3.0, 2.0, -1.0])))
+    np.testing.assert_allclose(metrics["q_continue_loss"], bce([1.0, -2.0, 0.5], target), rtol=1e-5)
+    (first, tokens, ids), (second, next_tokens, next_ids) = calls
+    for z, z_next, z_out in zip(first, second, (carry["z_h"], carry["z_l"])):
+        np.testing.assert_array_equal(z_next, z + 1)
+        np.testing.assert_array_equal(z_out, z + 1)
+    np.testing.assert_array_equal(next_tokens, tokens)
+    np.testing.assert_array_equal(next_ids, ids)
+
+
+def test_halted_slots_restart_from_the_initial_latents():
+    """Slots that halted at the previous step start their new row's puzzle from the model's initial
+    latents at step 1; the others go on from their own latents and puzzle at their next step."""
+    halted = np.array([True, False, True, False])
+    old, new = puzzle_rows(4, 0), puzzle_rows(4, 1)
+    state = act_carry(old, [3, 1, 16, 2], halted)
+    model = StandIn(act_config("trm", halt_max_steps=16), [jnp.full((4, 2), -5.0)])
+    (_, (carry, _)), calls = run_act(model, state, new, jax.random.key(0))
+    (z_h, z_l), tokens, ids = calls[0]
+    for z, z0, kept in zip((z_h, z_l), model.initial_carry(4), (state["z_h"], state["z_l"])):
+        np.testing.assert_array_equal(z, np.where(halted[:, None, None], z0, kept))
+    data = np.where(halted[:, None], new, old)
+    np.testing.assert_array_equal(carry["data"], data)
+    np.testing.assert_array_equal(tokens, data[:, 1 : 1 + CELLS])
+    np.testing.assert_array_equal(ids, data[:, 0])
+    np.testing.assert_array_equal(carry["steps"], [1, 2, 1, 3])
+    np.testing.assert_array_equal(carry["z_h"], z_h + 1)  # the model's latents, carried to the next step
+
+
+def test_q_halt_learns_whether_the_puzzle_is_exactly_right():
+    """q_halt's target is 1 only where every cell is right (slot 1 misses one cell), and the loss
+    is lm + q_halt / 2 for TRM. Accuracies are over the slots that halted (q_halt > 0: slots 0, 1)."""
+    rows = puzzle_rows(4, 0)
+    labels = np.asarray(split(rows)[2])
+    guess = labels.copy()
+    guess[1, 0] = guess[1, 0] % 10 + 1
+    guess[2] = guess[2] % 10 + 1
+    logits = 5 * jax.nn.one_hot(guess, sudoku.VOCAB)
+    q_halt = np.array([2.0, 1.0, -1.0, -3.0])
+    model = StandIn(act_config("trm"), [np.stack([q_halt, np.zeros(4)], -1)], logits)
+    (loss, (_, metrics)), _ = run_act(model, act_carry(rows, 0, True), rows, jax.random.key(0))
+    np.testing.assert_allclose(metrics["q_halt_loss"], bce(q_halt, np.array([1, 0, 0, 1])), rtol=1e-5)
+    lm = stablemax_cross_entropy(logits, labels).mean()
+    np.testing.assert_allclose(metrics["lm_loss"], lm, rtol=1e-6)
+    np.testing.assert_allclose(loss, lm + 0.5 * metrics["q_halt_loss"], rtol=1e-6)
+    assert "q_continue_loss" not in metrics
+    np.testing.assert_allclose(metrics["exact_accuracy"], (1, 2))
+    np.testing.assert_allclose(metrics["cell_accuracy"], (1 + 80 / 81, 2), rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["trm", "hrm"])
 def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
-    state, step, batches = trainer([*puzzles, f"model.name={name}", "mesh.data=1", "model.trm.halt_exploration_prob=0", "model.hrm.halt_exploration_prob=0"], n_devices=1)
+    state, step, batches = trainer([*puzzles, *RECURSION[name], "mesh.data=1", "model.halt_exploration_prob=0"], n_devices=1)
     state, metrics = step(state, batches[0])  # every slot starts halted: all take batch 0
     carry = jax.device_get(state["carry"])
     np.testing.assert_array_equal(carry["data"], np.asarray(batches[0]))
@@ -58,7 +193,7 @@ def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
 
 def test_metrics_of_halted_slots_are_pooled_over_microbatches(puzzles):
     """With grad_accum=2 and halts in one microbatch only, the metrics are those of that one, not NaN."""
-    state, step, batches = trainer([*puzzles, "model.name=trm", "mesh.data=1", "train.grad_accum=2", "model.trm.halt_exploration_prob=0"], n_devices=1)
+    state, step, batches = trainer([*puzzles, *RECURSION["trm"], "mesh.data=1", "train.grad_accum=2", "model.halt_exploration_prob=0"], n_devices=1)
     state, metrics = step(state, batches[0])  # no slot halts at step 1 of halt_max_steps=2
     assert np.isnan(float(metrics["act_steps"]))
     restart = np.array([True] * 4 + [False] * 4).reshape(2, 4)  # microbatch 0 restarts, microbatch 1 reaches step 2 and halts
@@ -68,9 +203,9 @@ def test_metrics_of_halted_slots_are_pooled_over_microbatches(puzzles):
     assert float(metrics["halted"]) == 0.5
 
 
-@pytest.mark.parametrize("name,shape,extra", [("trm", (1, 4, 2), ["model.trm.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])], ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"])
+@pytest.mark.parametrize("name,shape,extra", [("trm", (1, 4, 2), ["model.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])], ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"])
 def test_sharded_equals_unsharded(puzzles, name, shape, extra):
-    common = [*puzzles, f"model.name={name}", *extra]
+    common = [*puzzles, *RECURSION[name], *extra]
     ref_losses, ref_params = run_steps([*common, "mesh.data=1"], n_devices=1)
     losses, params = run_steps([*common, f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
@@ -82,7 +217,7 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     no slot has halted yet, so the run goes on only if the carry (latents, steps, puzzles) is restored."""
 
     def train(run):
-        main(["train", *puzzles, "model.name=trm", "model.trm.halt_max_steps=3", f"run_dir={run}", "train.log_every=1", "checkpoint.every=2", "train.steps=4", "train.eval_every=100", "train.eval_batches=1"])
+        main(["train", *puzzles, *RECURSION["trm"], "model.halt_max_steps=3", f"run_dir={run}", "train.log_every=1", "checkpoint.every=2", "train.steps=4", "train.eval_every=100", "train.eval_batches=1"])
         return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
     straight = train(tmp_path / "a")
@@ -96,23 +231,17 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [straight[s] for s in (3, 4)], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "name,overrides,margin",
-    [
-        ("trm", [], 0.2),
-        ("hrm", ["model.name=hrm", "model.hrm.H_cycles=2", "model.hrm.L_cycles=2", "model.hrm.H_layers=1", "model.hrm.L_layers=1", "model.hrm.halt_max_steps=2"], 0.03),
-    ],
-)
-def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, overrides, margin):
-    """configs/trm_sudoku_tiny.yaml, and HRM at that size: 150 steps on easy generated puzzles (45
+@pytest.mark.parametrize("name,margin", [("trm", 0.2), ("hrm", 0.03)])
+def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
+    """configs/trm_sudoku_tiny.yaml and hrm_sudoku_tiny.yaml: 150 steps on easy generated puzzles (45
     givens) lift held-out cell accuracy above copying the givens and guessing the blanks
     (55.6% + 44.4% / 9 = 60.5%): TRM (mlp_t) to about 85%, HRM to about 66%."""
     data = tmp_path_factory.getbasetemp() / "sudoku-easy"
     if not data.exists():
         sudoku.build(data, "generate", n_train=250, n_test=128, givens=45, min_rating=0, copies=7, seed=0)  # as the recipe says
     run = tmp_path_factory.mktemp(name)
-    recipe = str(Path(__file__).parent.parent / "configs" / "trm_sudoku_tiny.yaml")
-    assert main(["train", recipe, *overrides, "train.eval_every=150", "device_type=cpu", f"data.path={data}", f"run_dir={run}"]) == 0
+    recipe = str(Path(__file__).parent.parent / "configs" / f"{name}_sudoku_tiny.yaml")
+    assert main(["train", recipe, "train.eval_every=150", "device_type=cpu", f"data.path={data}", f"run_dir={run}"]) == 0
     baseline = sudoku.load(data, "test").copy_baseline()
     final = [r for r in read_metrics(run) if "val_cell_accuracy" in r][-1]
     print(f"{name}: held-out cell accuracy {final['val_cell_accuracy']:.3f}, exact {final['val_exact_accuracy']:.3f}, copy-the-givens {baseline:.3f}")
@@ -132,9 +261,12 @@ def test_split_reads_the_rows(puzzles):
     [
         (["model.name=trm"], "data.source=sudoku"),
         (["model.name=llama", "data.source=sudoku", "data.path=x"], "not text"),
-        (["model.name=trm", "data.source=sudoku", "data.path=/nonexistent", "model.max_seq_len=81", "train.seq_len=81", "model.vocab_size=11"], "podtrain data sudoku --out"),
-        (["model.name=trm", "data.source=sudoku", "data.path=x", "train.seq_len=64", "model.max_seq_len=64"], "model.max_seq_len=81"),
-        (["model.name=trm", "model.trm.halt_max_steps=0"], "at least 1"),
+        (["model.name=trm", "data.source=sudoku", "data.path=/nonexistent"], "podtrain data sudoku --out"),
+        (["model.name=trm", "data.source=sudoku", "data.path=x", "model.max_seq_len=64"], "model.max_seq_len=81"),
+        (["model.name=trm", "train.seq_len=81"], "Unknown config key `train.seq_len` for model.name=trm"),
+        (["model.name=hrm", "model.n_layers=2"], "Did you mean `model.L_layers`?"),
+        (["model.name=hrm", "model.mlp_t=true"], "Unknown config key `model.mlp_t`"),
+        (["model.name=trm", "model.halt_max_steps=0"], "at least 1"),
     ],
 )
 def test_mismatched_model_and_data_are_clear_errors(tmp_path, capsys, overrides, message):

@@ -10,25 +10,25 @@ from podtrain.config import load_config
 from podtrain.models.layers import rope_tables
 from podtrain.models.recursive import HRM, TRM
 
-SUDOKU = ["model.vocab_size=11", "model.max_seq_len=81", "train.seq_len=81", "model.compute_dtype=float32", "model.n_kv_heads=8"]
-PAPER = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1536"]
-SMALL = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64", "model.vocab_size=11", "model.max_seq_len=81", "train.seq_len=81", "model.compute_dtype=float32"]
+PAPER = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1536", "model.compute_dtype=float32"]
+SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.compute_dtype=float32"]
+NAMES = {HRM: "hrm", TRM: "trm"}
 
 
 @pytest.mark.parametrize(
     "cls,extra,reference",
-    [(HRM, [], 27_275_266), (TRM, [], 6_828_034), (TRM, ["model.trm.mlp_t=true"], 5_028_866)],
+    [(HRM, [], 27_275_266), (TRM, [], 6_828_034), (TRM, ["model.mlp_t=true"], 5_028_866)],
     ids=["hrm", "trm", "trm-mlp_t"],
 )
 def test_parameter_counts_match_the_references(cls, extra, reference):
-    cfg = load_config(None, SUDOKU + PAPER + extra)
+    cfg = load_config(None, [f"model.name={NAMES[cls]}", *PAPER, *extra])
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cls(cfg.model, rngs=nnx.Rngs(0)))))
     n = sum(x.size for x in jax.tree.leaves(params)) - params["puzzle_emb"].size  # the references count it apart
     assert n == reference
 
 
 def build(cls, extra):
-    cfg = load_config(None, SMALL + extra)
+    cfg = load_config(None, [f"model.name={NAMES[cls]}", *SMALL, *extra])
     model = cls(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jax.random.randint(jax.random.key(1), (2, 81), 1, 11)
@@ -52,30 +52,30 @@ def grad_params(graphdef, params, carry, tokens):
 
 @pytest.mark.parametrize("mlp_t", [False, True])
 def test_trm_segment_shapes_and_q_init(mlp_t):
-    model, _, _, tokens = build(TRM, [f"model.trm.mlp_t={mlp_t}"])
+    model, _, _, tokens = build(TRM, [f"model.mlp_t={mlp_t}"])
     carry, logits, q = nnx.jit(lambda m, c, t: m(c, t, jnp.zeros(2, jnp.int32)))(model, model.initial_carry(2), tokens)
     assert logits.shape == (2, 81, 11) and carry[0].shape == (2, 97, 32)
     np.testing.assert_array_equal(q, -5.0)  # weight 0, bias -5
 
 
 def graph(cls, extra):
-    return nnx.split(cls(load_config(None, SMALL + extra).model, rngs=nnx.Rngs(0)))[0]
+    return nnx.split(cls(load_config(None, [f"model.name={NAMES[cls]}", *SMALL, *extra]).model, rngs=nnx.Rngs(0)))[0]
 
 
 def test_trm_gradient_flows_only_through_the_last_cycle():
-    model, graphdef, params, tokens = build(TRM, ["model.trm.H_cycles=3", "model.trm.L_cycles=2"])
+    model, graphdef, params, tokens = build(TRM, ["model.H_cycles=3", "model.L_cycles=2"])
     start = model.initial_carry(2)
     grads, carry_grads = grad_all(graphdef, params, start, tokens)
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(carry_grads))  # no path back to the start
     assert float(jnp.abs(grads["net"]["layers"]["mlp"]["w_down"][...]).max()) > 0
     # The same gradient as one cycle started, as a constant, where the two no-gradient cycles ended.
-    after_two = nnx.merge(graph(TRM, ["model.trm.H_cycles=2", "model.trm.L_cycles=2"]), params)(start, tokens, jnp.zeros(2, jnp.int32))[0]
-    expected = grad_params(graph(TRM, ["model.trm.H_cycles=1", "model.trm.L_cycles=2"]), params, after_two, tokens)
+    after_two = nnx.merge(graph(TRM, ["model.H_cycles=2", "model.L_cycles=2"]), params)(start, tokens, jnp.zeros(2, jnp.int32))[0]
+    expected = grad_params(graph(TRM, ["model.H_cycles=1", "model.L_cycles=2"]), params, after_two, tokens)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected)
 
 
 def test_hrm_one_step_gradient():
-    hrm = ["model.hrm.H_layers=1", "model.hrm.L_layers=1", "model.hrm.H_cycles=2", "model.hrm.L_cycles=3"]
+    hrm = ["model.H_layers=1", "model.L_layers=1", "model.H_cycles=2", "model.L_cycles=3"]
     model, graphdef, params, tokens = build(HRM, hrm)
     start = model.initial_carry(2)
     grads, carry_grads = grad_all(graphdef, params, start, tokens)
@@ -88,7 +88,7 @@ def test_hrm_one_step_gradient():
         z_l = model.low(z_l, z_h + x, rope)
         if step == 2:
             z_h = model.high(z_h, z_l, rope)
-    one = ["model.hrm.H_layers=1", "model.hrm.L_layers=1", "model.hrm.H_cycles=1", "model.hrm.L_cycles=1"]
+    one = ["model.H_layers=1", "model.L_layers=1", "model.H_cycles=1", "model.L_cycles=1"]
     expected = grad_params(graph(HRM, one), params, (z_h, z_l), tokens)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected)
     assert float(jnp.abs(grads["low"]["layers"]["mlp"]["w_up"][...]).max()) > 0 and float(jnp.abs(grads["high"]["layers"]["mlp"]["w_up"][...]).max()) > 0

@@ -1,35 +1,39 @@
-"""Model registry: `model.name` -> (module class, FLOPs-per-token formula)."""
+"""Model registry: `model.name` -> the family's config, module, FLOPs-per-token formula and task."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 from flax import nnx
 
 from podtrain.config import ModelConfig
-from podtrain.errors import ConfigError
 from podtrain.models import llama, mhc, recursive
 
+
+@dataclass(frozen=True)
+class Family:
+    config: type[ModelConfig]  # the family's keys under `model.`, defined beside the module
+    module: type[nnx.Module]
+    flops_per_token: Callable[[ModelConfig, int, int], float]  # (cfg, n_params, seq_len) -> training FLOPs
+    task: str  # what it trains on: text (next-token prediction) | puzzles (deep supervision with ACT)
+
+
 MODELS = {
-    "llama": (llama.Llama, llama.flops_per_token),
-    "mhc": (mhc.Mhc, mhc.flops_per_token),
-    "hrm": (recursive.HRM, recursive.flops_per_token),
-    "trm": (recursive.TRM, recursive.flops_per_token),
+    "llama": Family(llama.LlamaConfig, llama.Llama, llama.flops_per_token, "text"),
+    "mhc": Family(mhc.MhcConfig, mhc.Mhc, mhc.flops_per_token, "text"),
+    "hrm": Family(recursive.HrmConfig, recursive.HRM, recursive.flops_per_token, "puzzles"),
+    "trm": Family(recursive.TrmConfig, recursive.TRM, recursive.flops_per_token, "puzzles"),
 }
 
 
-def _lookup(name: str):
-    if name not in MODELS:
-        raise ConfigError(f"model.name={name!r} is not a known model; choose one of: {', '.join(MODELS)}.")
-    return MODELS[name]
-
-
 def build_model(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    return _lookup(cfg.name)[0](cfg, rngs=rngs)
+    return MODELS[cfg.name].module(cfg, rngs=rngs)
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
-    return _lookup(cfg.name)[1](cfg, n_params, seq_len)
+    return MODELS[cfg.name].flops_per_token(cfg, n_params, seq_len)
 
 
-def is_reasoner(name: str) -> bool:
-    """Whether the model solves puzzles in supervision segments (HRM, TRM) rather than modelling text."""
-    return issubclass(_lookup(name)[0], recursive.RecursiveReasoner)
+def task_of(cfg: ModelConfig) -> str:
+    return MODELS[cfg.name].task

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config import ModelConfig
+from podtrain.errors import ConfigError
 from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
 from podtrain.runtime.mesh import constrain
 
 
+@dataclass
+class LlamaConfig(ModelConfig):
+    name: str = "llama"
+    n_layers: int = 4
+    n_kv_heads: int = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
+    tie_embeddings: bool = True  # the output head is the embedding table, transposed
+    init_std: float = 0.02  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads.")
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.compute_dtype)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -42,7 +58,7 @@ class Llama(nnx.Module):
 
     block = Block
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         self.layers = stacked(cfg.n_layers, lambda r: self.block(cfg, r), rngs)
@@ -69,7 +85,7 @@ class Llama(nnx.Module):
         return state
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4), plus
     attention scores and values, 12 * n_layers * d_model * seq_len (PaLM appendix B; the causal
     mask's saving is not subtracted). The embedding lookup is free unless tied to the head."""

@@ -14,14 +14,14 @@ and the coefficients, each a static part b plus an input-dependent part gated by
     H_pre = σ(H~_pre),  H_post = 2 σ(H~_post),  H_res = SinkhornKnopp(H~_res)       (eq. 8)
 
 Sinkhorn-Knopp starts from exp(H~_res) and alternates column and row normalisation
-(`model.mhc.sinkhorn_iters`, 20 in the paper); here it runs in float32 log space, so it cannot
-overflow whatever the compute dtype. `model.mhc.projection=permutations` is mHC-lite
+(`model.sinkhorn_iters`, 20 in the paper); here it runs in float32 log space, so it cannot
+overflow whatever the compute dtype. `model.projection=permutations` is mHC-lite
 (arXiv 2601.05732): H_res = Σ_k softmax(H~_res)_k P_k over the n! permutation matrices P_k, exactly
 doubly stochastic with no iterations, so φ_res and b_res have n! outputs instead of n².
 
 The token embedding is copied into the n streams; the streams are summed before the final norm.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
-`model.mhc.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
+`model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
 stored in the compute dtype between sub-layers.
 """
@@ -30,16 +30,31 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.config import ModelConfig
+from podtrain.errors import ConfigError
 from podtrain.models import llama
 from podtrain.models.layers import RMSNorm, param
 from podtrain.runtime.mesh import constrain
+
+@dataclass
+class MhcConfig(llama.LlamaConfig):
+    name: str = "mhc"
+    streams: int = 4  # parallel residual streams (n)
+    sinkhorn_iters: int = 20
+    projection: str = "sinkhorn"  # sinkhorn (mHC) | permutations (mHC-lite, streams <= 4)
+    alpha_init: float = 0.01  # initial gate of the input-dependent part of the mixing
+
+    def validate(self) -> None:
+        super().validate()
+        if self.projection == "permutations" and self.streams > 4:
+            raise ConfigError(f"model.projection=permutations mixes all {self.streams}! permutations of the streams; use model.streams<=4 or projection=sinkhorn.")
+
 
 STREAMS = ("act_batch", "act_seq", "act_streams", "act_embed")  # the residual streams (batch, seq, n, d_model)
 
@@ -70,14 +85,14 @@ def _project(flat: jax.Array, phi: jax.Array) -> jax.Array:
 class StreamMixer(nnx.Module):
     """The hyper-connection around one sub-layer: x <- H_res·x + H_postᵀ·F(H_pre·x)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        m, n = cfg.mhc, cfg.mhc.streams
-        self.n, self.iters, self.projection = n, m.sinkhorn_iters, m.projection
-        n_res = math.factorial(n) if m.projection == "permutations" else n * n
+    def __init__(self, cfg: MhcConfig, rngs: nnx.Rngs):
+        n = cfg.streams
+        self.n, self.iters, self.projection = n, cfg.sinkhorn_iters, cfg.projection
+        n_res = math.factorial(n) if cfg.projection == "permutations" else n * n
         self.sizes = (n, n, n_res)  # pre, post, res
         self.norm = RMSNorm(n * cfg.d_model, cfg.norm_eps)
         self.phi = param(rngs, (n * cfg.d_model, sum(self.sizes)), ("embed", "streams"), 1 / math.sqrt(n * cfg.d_model))
-        self.alpha = nnx.Param(jnp.full((3,), m.alpha_init, jnp.float32), out_sharding=("streams",), eager_sharding=False)
+        self.alpha = nnx.Param(jnp.full((3,), cfg.alpha_init, jnp.float32), out_sharding=("streams",), eager_sharding=False)
         self.bias = nnx.Param(jnp.zeros((sum(self.sizes),), jnp.float32), out_sharding=("streams",), eager_sharding=False)
 
     def coefficients(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -99,7 +114,7 @@ class StreamMixer(nnx.Module):
 
 
 class MhcBlock(llama.Block):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: MhcConfig, rngs: nnx.Rngs):
         super().__init__(cfg, rngs)
         self.attn_mix = StreamMixer(cfg, rngs)
         self.mlp_mix = StreamMixer(cfg, rngs)
@@ -115,14 +130,14 @@ class Mhc(llama.Llama):
     block = MhcBlock
 
     def widen(self, x: jax.Array) -> jax.Array:
-        return constrain(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.mhc.streams, x.shape[-1])), STREAMS)
+        return constrain(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.streams, x.shape[-1])), STREAMS)
 
     def narrow(self, state: jax.Array) -> jax.Array:
         return state.sum(axis=2)
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int) -> float:
     """Llama's count (φ is among the matmul weights) plus the stream mixing of 2 sub-layers per
     layer: H_res·x, H_pre·x and H_postᵀ·y, (n² + 2n)·C multiply-adds each, 6 FLOPs per training pass."""
-    n = cfg.mhc.streams
+    n = cfg.streams
     return llama.flops_per_token(cfg, n_params, seq_len) + 6 * 2 * cfg.n_layers * (n * n + 2 * n) * cfg.d_model

@@ -30,16 +30,51 @@ leave it out as the references' counts do.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config import ModelConfig, RecursiveConfig
+from podtrain.config import ModelConfig
 from podtrain.models.layers import ACT, HEAD, TABLE, Attention, SwiGLU, embed_tokens, output_head, param, rms_norm, rope_tables, scan_layers, stacked
 from podtrain.runtime.mesh import constrain
 
 INIT_KEY = 1234  # the fixed draw of the initial states
+
+
+@dataclass
+class RecursiveConfig(ModelConfig):
+    """HRM and TRM: the recursion under the names of their reference configs, and Sudoku's
+    vocabulary and length as defaults."""
+
+    vocab_size: int = 11
+    max_seq_len: int = 81
+    H_cycles: int = 3
+    L_cycles: int = 6
+    L_layers: int = 2
+    halt_max_steps: int = 16
+    halt_exploration_prob: float = 0.1
+    no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
+    puzzle_emb_len: int = 16  # sequence positions in front of the puzzle for its learned embedding
+    num_puzzle_ids: int = 1  # one shared puzzle embedding for Sudoku
+
+
+@dataclass
+class HrmConfig(RecursiveConfig):
+    name: str = "hrm"
+    H_cycles: int = 2
+    L_cycles: int = 2
+    H_layers: int = 4  # the high-level module's blocks; L_layers the low-level one's
+    L_layers: int = 4
+    no_ACT_continue: bool = False
+    puzzle_emb_len: int = 1
+
+
+@dataclass
+class TrmConfig(RecursiveConfig):
+    name: str = "trm"
+    mlp_t: bool = False  # an MLP across the sequence instead of attention (the Sudoku variant)
 
 
 def _swiglu_width(dim: int, expansion: float = 4) -> int:
@@ -50,7 +85,7 @@ def _swiglu_width(dim: int, expansion: float = 4) -> int:
 class ReasoningBlock(nnx.Module):
     """Post-norm block: h <- norm(h + mix(h)); h <- norm(h + mlp(h)), with mix attention or a token MLP."""
 
-    def __init__(self, cfg: ModelConfig, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: RecursiveConfig, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
         d, dtype = cfg.d_model, jnp.dtype(cfg.compute_dtype)
         self.eps = cfg.norm_eps
         if mlp_t:
@@ -73,7 +108,7 @@ class ReasoningBlock(nnx.Module):
 class ReasoningModule(nnx.Module):
     """A stack of blocks that first adds its input injection: f(h, injection)."""
 
-    def __init__(self, cfg: ModelConfig, n_layers: int, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: RecursiveConfig, n_layers: int, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
         self.layers = stacked(n_layers, lambda r: ReasoningBlock(cfg, seq_len, mlp_t, r), rngs)
         self.remat, self.unroll = cfg.remat, cfg.scan_unroll
 
@@ -84,12 +119,12 @@ class ReasoningModule(nnx.Module):
 class RecursiveReasoner(nnx.Module):
     """What HRM and TRM share: embeddings, heads, initial states. Subclasses define `recurse`."""
 
-    def __init__(self, cfg: ModelConfig, r: RecursiveConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: RecursiveConfig, rngs: nnx.Rngs):
         d = cfg.d_model
-        self.cfg, self.r = cfg, r
-        self.length = cfg.max_seq_len + r.puzzle_emb_len
+        self.cfg = cfg
+        self.length = cfg.max_seq_len + cfg.puzzle_emb_len
         self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
-        self.puzzle_emb = nnx.Param(jnp.zeros((r.num_puzzle_ids, d), jnp.float32), out_sharding=(None, "embed"), eager_sharding=False)
+        self.puzzle_emb = nnx.Param(jnp.zeros((cfg.num_puzzle_ids, d), jnp.float32), out_sharding=(None, "embed"), eager_sharding=False)
         self.head = param(rngs, (d, cfg.vocab_size), ("embed", "vocab"), d**-0.5)
         self.q_head = nnx.Param(jnp.zeros((d, 2), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
         self.q_bias = nnx.Param(jnp.full((2,), -5.0, jnp.float32), out_sharding=(None,), eager_sharding=False)
@@ -104,28 +139,28 @@ class RecursiveReasoner(nnx.Module):
         cfg, d = self.cfg, self.cfg.d_model
         x = embed_tokens(constrain(self.embed[...], TABLE), tokens)
         puzzle = jnp.take(self.puzzle_emb[...], puzzle_ids, axis=0)[:, None, :]
-        front = jnp.concatenate([puzzle, jnp.zeros((len(tokens), self.r.puzzle_emb_len - 1, d), x.dtype)], axis=1)
+        front = jnp.concatenate([puzzle, jnp.zeros((len(tokens), self.cfg.puzzle_emb_len - 1, d), x.dtype)], axis=1)
         return constrain((math.sqrt(d) * jnp.concatenate([front, x], axis=1)).astype(jnp.dtype(cfg.compute_dtype)), ACT)
 
     def __call__(self, carry, tokens: jax.Array, puzzle_ids: jax.Array):
         """One segment: (carry, logits (batch, seq, vocab), q (batch, 2) = halt, continue logits)."""
         x = self.inputs(tokens, puzzle_ids)
-        rope = None if self.r.mlp_t else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        rope = None if getattr(self.cfg, "mlp_t", False) else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
         z_h, z_l = self.recurse(*carry, x, rope)
         dtype = z_h.dtype
-        logits = output_head(z_h[:, self.r.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)
+        logits = output_head(z_h[:, self.cfg.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)
         q = z_h[:, 0].astype(jnp.float32) @ self.q_head[...] + self.q_bias[...]
         return jax.lax.stop_gradient((z_h, z_l)), logits, q
 
 
 class HRM(RecursiveReasoner):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, cfg.hrm, rngs)
-        self.high = ReasoningModule(cfg, cfg.hrm.H_layers, self.length, False, rngs)
-        self.low = ReasoningModule(cfg, cfg.hrm.L_layers, self.length, False, rngs)
+    def __init__(self, cfg: HrmConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        self.high = ReasoningModule(cfg, cfg.H_layers, self.length, False, rngs)
+        self.low = ReasoningModule(cfg, cfg.L_layers, self.length, False, rngs)
 
     def recurse(self, z_h, z_l, x, rope):
-        r = self.r
+        r = self.cfg
         for step in range(r.H_cycles * r.L_cycles - 1):  # without gradients
             z_l = self.low(z_l, z_h + x, rope)
             if (step + 1) % r.L_cycles == 0:
@@ -136,29 +171,28 @@ class HRM(RecursiveReasoner):
 
 
 class TRM(RecursiveReasoner):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        super().__init__(cfg, cfg.trm, rngs)
-        self.net = ReasoningModule(cfg, cfg.trm.L_layers, self.length, cfg.trm.mlp_t, rngs)
+    def __init__(self, cfg: TrmConfig, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        self.net = ReasoningModule(cfg, cfg.L_layers, self.length, cfg.mlp_t, rngs)
 
     def recurse(self, y, z, x, rope):
         def cycle(y, z):
-            for _ in range(self.r.L_cycles):
+            for _ in range(self.cfg.L_cycles):
                 z = self.net(z, y + x, rope)
             return self.net(y, z, rope), z
 
-        for _ in range(self.r.H_cycles - 1):  # without gradients
+        for _ in range(self.cfg.H_cycles - 1):  # without gradients
             y, z = jax.lax.stop_gradient(cycle(y, z))
         return cycle(y, z)
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per puzzle cell of one supervision segment. A block pass costs 2 FLOPs per
     matmul weight (the token MLP of mlp_t counts as 3·d·width weights per position) plus attention's
     4·length·d; the backward of the passes with gradients costs twice their forward; HRM's target
     Q-value repeats the segment's forward. All `length` positions are counted, per cell."""
-    r = cfg.hrm if cfg.name == "hrm" else cfg.trm
-    d, length = cfg.d_model, seq_len + r.puzzle_emb_len
-    mix = 3 * d * _swiglu_width(length) if r.mlp_t else 4 * d * d + 2 * length * d
+    r, d, length = cfg, cfg.d_model, seq_len + cfg.puzzle_emb_len
+    mix = 3 * d * _swiglu_width(length) if getattr(cfg, "mlp_t", False) else 4 * d * d + 2 * length * d
     block = 2 * (mix + 3 * d * cfg.d_ff)
     if cfg.name == "hrm":
         forward, with_grad = r.H_cycles * (r.L_cycles * r.L_layers + r.H_layers), r.L_layers + r.H_layers

@@ -1,71 +1,66 @@
-"""Find the accelerator: TPU, then GPU, then CPU; or the one `device_type` forces."""
+"""Find the accelerator by asking JAX's backends in turn, TPU, then GPU, then CPU; or the one `device_type` forces."""
 
 from __future__ import annotations
 
-import glob
-import os
+import re
 
 import jax
 
 from podtrain.errors import DeviceError
 
-# Peak dense bf16 FLOP/s per device, for MFU. Unknown kinds (CPUs among them) report no MFU.
-PEAK_FLOPS = {
-    "h200": 989e12,
-    "h100": 989e12,
-    "a100": 312e12,
-    "l4": 121e12,
-    "tpu v3": 123e12,
-    "tpu v4": 275e12,
-    "tpu v5 lite": 197e12,
-    "tpu v5e": 197e12,
-    "tpu v5p": 459e12,
-    "tpu v5": 459e12,
-    "tpu v6 lite": 918e12,
-    "tpu v6e": 918e12,
-}
+PLATFORMS = ("tpu", "gpu", "cpu")  # the order `auto` tries them in
+
+# Peak dense bf16 FLOP/s per device, for MFU, by the device kind JAX reports (e.g. "NVIDIA H100
+# PCIe", "TPU v5 lite"); the first pattern that matches wins. Unknown kinds (CPUs among them)
+# report no MFU rather than a wrong one.
+PEAK_FLOPS = (
+    (r"h100.*pcie", 756e12),
+    (r"h100.*nvl", 835e12),
+    (r"h100|h200", 989e12),  # SXM ("NVIDIA H100 80GB HBM3"), H200 and GH200
+    (r"b200", 2250e12),
+    (r"a100", 312e12),
+    (r"tpu v3", 123e12),
+    (r"tpu v4", 275e12),
+    (r"tpu v5 ?(lite|e)", 197e12),  # v5e
+    (r"tpu v5", 459e12),  # v5p
+    (r"tpu v6", 918e12),  # v6e (Trillium)
+)
 
 
-def _tpu_present() -> bool:
-    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*") or os.environ.get("TPU_ACCELERATOR_TYPE"))
-
-
-def _gpu_present() -> bool:
-    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def select_devices(device_type: str = "auto") -> list[jax.Device]:
     """All devices of the chosen platform, across every process.
 
-    `auto` looks for TPU and GPU hardware before asking JAX, so a machine without a TPU never
-    pays libtpu's start-up probing (and its warnings), and falls back to CPU if the accelerator's
-    JAX plugin is missing. A forced type that JAX cannot find is an error.
+    `auto` takes the first of TPU, GPU and CPU whose JAX backend starts, so a TPU whose runtime
+    fails to start falls back to a GPU where there is one. A forced type that JAX cannot start is
+    an error that says why.
     """
     platform = {"cuda": "gpu"}.get(device_type, device_type)
-    forced = platform != "auto"
-    if not forced:
-        platform = "tpu" if _tpu_present() else "gpu" if _gpu_present() else "cpu"
-    if platform == "cpu" and not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")
-    try:
-        return jax.devices(platform)
-    except RuntimeError as e:
-        if forced:
-            raise DeviceError(
-                f"device_type={device_type} was requested but JAX finds no {platform.upper()} here ({str(e).splitlines()[0]}). "
-                f"Install the matching extra (`pip install -e '.[{'tpu' if platform == 'tpu' else 'gpu'}]'`) on a machine that has one, "
-                "or use device_type=auto to take what is present."
-            ) from None
-        print(f"[podtrain] {platform} hardware found but JAX cannot use it ({str(e).splitlines()[0]}); using cpu")
-        return jax.devices("cpu")
+    failures = {}
+    for candidate in PLATFORMS if platform == "auto" else (platform,):
+        try:
+            devices = jax.devices(candidate)
+        except RuntimeError as e:  # JAX's answer for a backend that is absent or failed to start
+            failures[candidate] = _first_line(e)
+            continue
+        for name, why in failures.items():
+            if "failed to initialize" in why:  # present but broken: say so rather than quietly run slower
+                print(f"[podtrain] the {name} backend did not start ({why}); using {candidate}")
+        return devices
+    why = failures[platform] if platform in failures else "; ".join(f"{k}: {v}" for k, v in failures.items())
+    extra = "tpu" if platform == "tpu" else "gpu"
+    raise DeviceError(
+        f"device_type={device_type} was requested but JAX cannot start a {platform.upper()} here ({why}). "
+        f"Install the matching extra (`pip install -e '.[{extra}]'`) on a machine that has one, or use device_type=auto to take what is present."
+    )
 
 
 def peak_flops(device: jax.Device) -> float | None:
     kind = device.device_kind.lower()
-    for name, flops in PEAK_FLOPS.items():
-        if name in kind:
-            return flops
-    return None
+    return next((flops for pattern, flops in PEAK_FLOPS if re.search(pattern, kind)), None)
 
 
 def describe(devices: list[jax.Device]) -> str:

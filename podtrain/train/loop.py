@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import jax
 from rich.console import Console
@@ -13,14 +15,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from podtrain import runtime
 from podtrain.config import Config, resolve_auto, save_config
 from podtrain.errors import ConfigError, TrainingDiverged
-from podtrain.models import is_reasoner
-from podtrain.runtime.mesh import data_parallel_size
+from podtrain.models import flops_per_token, task_of
+from podtrain.runtime.mesh import data_parallel_size, sharded_jit
 from podtrain.train import optim
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.lm import LanguageTask
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.reasoning import PuzzleTask
-from podtrain.train.state import train_setup, weights
+from podtrain.train.state import TrainSetup, init_state, shardings_of, train_setup, weights
+from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
+from podtrain.train.task import Task
+
+TASKS = {"text": LanguageTask, "puzzles": PuzzleTask}  # by models.MODELS[name].task
 
 
 def _check_batch(cfg: Config, dp: int) -> None:
@@ -41,16 +47,44 @@ def _throughput(step_time: float | None, tokens_per_step: int, flops_per_step: f
     }
 
 
-def make_task(cfg: Config, setup, mesh) -> LanguageTask | PuzzleTask:
-    """The data, step and evaluation of the model's kind: text for language models, puzzles for reasoners."""
-    return (PuzzleTask if is_reasoner(cfg.model.name) else LanguageTask)(cfg, setup, mesh)
+@dataclass
+class Job:
+    """A model's task compiled on a mesh: the state's layout and first value, the steps, the rates."""
+
+    setup: TrainSetup
+    task: Task
+    abstract_state: dict  # {"step", "params", "opt"}, with "ema" and the task's "carry" where kept
+    step: Callable  # (state, batch) -> (state, metrics)
+    eval_step: Callable  # (params, batch) -> metrics
+    tokens_per_step: int
+    flops_per_step: float
+
+    def init_state(self, seed: int) -> dict:
+        state = init_state(self.setup, seed)
+        return state if self.task.carry is None else {**state, "carry": self.task.initial_carry()}
+
+    def evaluate(self, params) -> dict:
+        return mean_over_batches(self.eval_step, params, self.task.eval_batches)
+
+
+def build(cfg: Config, mesh) -> Job:
+    """The model, its optimizer and its task (text for language models, puzzles for reasoners) on `mesh`."""
+    setup, t = train_setup(cfg, mesh), cfg.train
+    task = TASKS[task_of(cfg.model)](cfg, mesh)
+    fns = setup.fns
+    abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
+    eval_step = sharded_jit(lambda params, batch: task.eval_fn(fns.module(params), batch), mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+    tokens_per_step = t.batch_size * task.positions
+    flops_per_step = flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
+    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)
 
 
 def compile_step(cfg: Config, mesh):
     """The train step compiled ahead of time from abstract shapes (no weights allocated), to read
     its memory (`memory_analysis()`) and collectives (`runtime.collectives`) before running it."""
-    task = make_task(cfg, train_setup(cfg, mesh), mesh)
-    return task.step.lower(task.abstract_state, task.batches.abstract).compile()
+    job = build(cfg, mesh)
+    return job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
 
 
 def _fmt(metrics: dict) -> str:
@@ -64,17 +98,17 @@ def train(cfg: Config) -> dict:
     t = cfg.train
     _check_batch(cfg, data_parallel_size(rt.mesh))
     run_dir = Path(cfg.run_dir)
-    setup = train_setup(cfg, rt.mesh)
-    task = make_task(cfg, setup, rt.mesh)
+    job = build(cfg, rt.mesh)
+    task = job.task
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     resumed = checkpointer.latest_step()
-    state = task.init_state() if resumed is None else checkpointer.restore({k: v for k, v in task.abstract_state.items() if k != "step"})
+    state = job.init_state(cfg.seed) if resumed is None else checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"})
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     console.print(
-        f"[podtrain] model {cfg.model.name}: {setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
+        f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
         f"{task.summary}; "
         + (f"resuming from step {resumed}" if resumed is not None else "starting from scratch")
     )
@@ -82,7 +116,7 @@ def train(cfg: Config) -> dict:
     note = optim.warmup_note(t)
     if note:
         console.print(f"[podtrain] note: {note}")
-    tokens_per_step, flops_per_step = task.tokens_per_step, task.flops_per_step
+    tokens_per_step, flops_per_step = job.tokens_per_step, job.flops_per_step
     start = int(jax.device_get(state["step"]))
     if start >= t.steps:
         checkpointer.close()
@@ -96,7 +130,7 @@ def train(cfg: Config) -> dict:
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
             for step in range(start, t.steps):
-                state, metrics = task.step(state, task.batches[step])
+                state, metrics = job.step(state, task.batches[step])
                 done = step + 1
                 if done == start + 1:  # leave compilation out of the throughput
                     jax.block_until_ready(state)
@@ -117,7 +151,7 @@ def train(cfg: Config) -> dict:
                     progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else ""))
                     window_start, clock = done, time.perf_counter()
                 if done % t.eval_every == 0 or done == t.steps:
-                    evals = task.evaluate(weights(state))
+                    evals = job.evaluate(weights(state))
                     last.update(evals)
                     log.write({"step": done, **evals}, prefix="eval")
                     progress.console.print(f"step {done:>6}  {_fmt(evals)}")
@@ -130,7 +164,7 @@ def train(cfg: Config) -> dict:
         checkpointer.close()
         log.close()
     console.print(f"[podtrain] done: step {t.steps}, {_fmt(evals)}, checkpoint in {cfg.checkpoint_dir}")
-    text = task.finish(state)
+    text = task.finish(job.setup.fns, weights(state))
     if text is not None:
         console.print("[podtrain] sample:\n" + text)
     return last

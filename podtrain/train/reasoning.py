@@ -35,10 +35,9 @@ from podtrain.config import Config
 from podtrain.data import sudoku
 from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import ConfigError, DataError
-from podtrain.models import flops_per_token
-from podtrain.runtime.mesh import sharded_jit
-from podtrain.train.state import TrainSetup, init_state, shardings_of
-from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
+from podtrain.train.state import shardings_of
+from podtrain.train.step import batch_sharding
+from podtrain.train.task import Task
 
 CELLS = 81
 
@@ -66,12 +65,72 @@ def _sum_where(x: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(mask, x, 0).sum().astype(jnp.float32), mask.sum()
 
 
-class PuzzleTask:
-    """What the training loop needs for a recursive reasoner: puzzles, the ACT step and carry, evaluation."""
+def act_loss(model, carry: dict, rows: jax.Array, key: jax.Array):
+    """One supervision segment for every slot: (loss, (carry, metrics)). A halted slot takes its
+    row of `rows` as a new puzzle from the initial latents; the others go on with their own."""
+    r = model.cfg
+    new = carry["halted"]
+    data = jnp.where(new[:, None], rows, carry["data"])
+    z = tuple(jnp.where(new[:, None, None], z0, z) for z0, z in zip(model.initial_carry(len(rows)), (carry["z_h"], carry["z_l"])))
+    steps = jnp.where(new, 0, carry["steps"]) + 1
+    ids, inputs, labels = split(data)
+    z, logits, q = model(z, inputs, ids)
 
-    def __init__(self, cfg: Config, setup: TrainSetup, mesh: Mesh):
-        t, m, fns = cfg.train, cfg.model, setup.fns
-        r = m.hrm if m.name == "hrm" else m.trm
+    correct = jnp.argmax(logits, -1) == labels
+    exact = correct.all(-1)
+    lm_loss = stablemax_cross_entropy(logits, labels).mean()
+    q_halt_loss = optax.sigmoid_binary_cross_entropy(q[:, 0], exact.astype(jnp.float32)).mean()
+    losses = {"lm_loss": lm_loss, "q_halt_loss": q_halt_loss}
+    last = steps >= r.halt_max_steps
+    if not r.no_ACT_continue:
+        next_q = jax.lax.stop_gradient(model(z, inputs, ids)[2])
+        target = jax.nn.sigmoid(jnp.where(last, next_q[:, 0], next_q.max(-1)))
+        losses["q_continue_loss"] = optax.sigmoid_binary_cross_entropy(q[:, 1], target).mean()
+
+    explore, draw = jax.random.split(key)
+    min_steps = jnp.where(jax.random.bernoulli(explore, r.halt_exploration_prob, steps.shape), jax.random.randint(draw, steps.shape, 2, r.halt_max_steps + 1), 0)
+    halted = last | (_halts(q, r.no_ACT_continue) & (steps >= min_steps))
+    metrics = {
+        **losses,
+        "cell_accuracy": _sum_where(correct.mean(-1), halted),
+        "exact_accuracy": _sum_where(exact, halted),
+        "act_steps": _sum_where(steps, halted),
+        "halted": halted.mean(),
+    }
+    loss = lm_loss + 0.5 * (q_halt_loss + losses.get("q_continue_loss", 0.0))
+    return loss, ({"z_h": z[0], "z_l": z[1], "steps": steps, "halted": halted, "data": data}, metrics)
+
+
+def evaluate_puzzles(model, rows: jax.Array) -> dict:
+    """All halt_max_steps segments on each puzzle of `rows`, scored on the last."""
+    r = model.cfg
+    ids, inputs, labels = split(rows)
+
+    def segment(state, i):
+        z, halt_at, _ = state
+        z, logits, q = model(z, inputs, ids)
+        halt_at = jnp.where((halt_at == 0) & (_halts(q, r.no_ACT_continue) | (i == r.halt_max_steps)), i, halt_at)
+        return (z, halt_at, logits), None
+
+    start = (model.initial_carry(len(rows)), jnp.zeros(len(rows), jnp.int32), jnp.zeros((*labels.shape, r.vocab_size), jnp.float32))
+    (_, halt_at, logits), _ = jax.lax.scan(segment, start, jnp.arange(1, r.halt_max_steps + 1))
+    correct = jnp.argmax(logits, -1) == labels
+    return {
+        "val_loss": stablemax_cross_entropy(logits, labels).mean(),
+        "val_cell_accuracy": correct.mean(),
+        "val_exact_accuracy": correct.all(-1).mean(),
+        "val_act_steps": halt_at.mean(),
+    }
+
+
+class PuzzleTask(Task):
+    """Sudoku puzzles for a recursive reasoner, with the ACT carry of every batch slot."""
+
+    loss_fn = staticmethod(act_loss)
+    eval_fn = staticmethod(evaluate_puzzles)
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        t, m = cfg.train, cfg.model
         if cfg.data.source != "sudoku":
             raise ConfigError(f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
         if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
@@ -81,82 +140,19 @@ class PuzzleTask:
             if len(split_set.inputs) < t.batch_size:
                 raise DataError(f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch.")
         self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
+        train_rows, test_rows = train_set.rows(), test_set.rows()
+        slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
+        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1)
+        self.eval_batches = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
+        self.positions = CELLS
 
-        slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)  # laid out like the batch
-
-        def per_slot(dtype, *shape):
+        def per_slot(dtype, *shape):  # laid out like the batch
             return jax.ShapeDtypeStruct((*slots, *shape), dtype, sharding=sharding)
 
-        latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + r.puzzle_emb_len, m.d_model)
-        carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, 1 + 2 * CELLS)}
-        self.abstract_state = {**setup.abstract_state, "carry": carry}
-        # Every slot starts halted, so step 0 fills all of them from its batch.
-        first = jax.jit(lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()}, out_shardings=shardings_of(carry))
-        self.init_state = lambda: {**init_state(setup, cfg.seed), "carry": first()}
+        latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + m.puzzle_emb_len, m.d_model)
+        self.carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, 1 + 2 * CELLS)}
 
-        def loss_fn(params, carry, rows, key):
-            model = fns.module(params)
-            new = carry["halted"]
-            data = jnp.where(new[:, None], rows, carry["data"])
-            z = tuple(jnp.where(new[:, None, None], z0, z) for z0, z in zip(model.initial_carry(len(rows)), (carry["z_h"], carry["z_l"])))
-            steps = jnp.where(new, 0, carry["steps"]) + 1
-            ids, inputs, labels = split(data)
-            z, logits, q = model(z, inputs, ids)
-
-            correct = jnp.argmax(logits, -1) == labels
-            exact = correct.all(-1)
-            lm_loss = stablemax_cross_entropy(logits, labels).mean()
-            q_halt_loss = optax.sigmoid_binary_cross_entropy(q[:, 0], exact.astype(jnp.float32)).mean()
-            losses = {"lm_loss": lm_loss, "q_halt_loss": q_halt_loss}
-            last = steps >= r.halt_max_steps
-            if not r.no_ACT_continue:
-                next_q = jax.lax.stop_gradient(model(z, inputs, ids)[2])
-                target = jax.nn.sigmoid(jnp.where(last, next_q[:, 0], next_q.max(-1)))
-                losses["q_continue_loss"] = optax.sigmoid_binary_cross_entropy(q[:, 1], target).mean()
-
-            explore, draw = jax.random.split(key)
-            min_steps = jnp.where(jax.random.bernoulli(explore, r.halt_exploration_prob, steps.shape), jax.random.randint(draw, steps.shape, 2, r.halt_max_steps + 1), 0)
-            halted = last | (_halts(q, r.no_ACT_continue) & (steps >= min_steps))
-            metrics = {
-                **losses,
-                "cell_accuracy": _sum_where(correct.mean(-1), halted),
-                "exact_accuracy": _sum_where(exact, halted),
-                "act_steps": _sum_where(steps, halted),
-                "halted": halted.mean(),
-            }
-            loss = lm_loss + 0.5 * (q_halt_loss + losses.get("q_continue_loss", 0.0))
-            return loss, ({"z_h": z[0], "z_l": z[1], "steps": steps, "halted": halted, "data": data}, metrics)
-
-        def evaluate(params, rows):
-            model = fns.module(params)
-            ids, inputs, labels = split(rows)
-
-            def segment(state, i):
-                z, halt_at, _ = state
-                z, logits, q = model(z, inputs, ids)
-                halt_at = jnp.where((halt_at == 0) & (_halts(q, r.no_ACT_continue) | (i == r.halt_max_steps)), i, halt_at)
-                return (z, halt_at, logits), None
-
-            start = (model.initial_carry(len(rows)), jnp.zeros(len(rows), jnp.int32), jnp.zeros((*labels.shape, m.vocab_size), jnp.float32))
-            (_, halt_at, logits), _ = jax.lax.scan(segment, start, jnp.arange(1, r.halt_max_steps + 1))
-            correct = jnp.argmax(logits, -1) == labels
-            return {
-                "val_loss": stablemax_cross_entropy(logits, labels).mean(),
-                "val_cell_accuracy": correct.mean(),
-                "val_exact_accuracy": correct.all(-1).mean(),
-                "val_act_steps": halt_at.mean(),
-            }
-
-        self.step = make_train_step(setup, t, mesh, loss_fn, self.abstract_state, cfg.seed)
-        train_rows, test_rows = train_set.rows(), test_set.rows()
-        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1)
-        self.test = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
-        self.eval_step = sharded_jit(evaluate, mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
-        self.tokens_per_step = t.batch_size * CELLS
-        self.flops_per_step = flops_per_token(m, fns.n_params, CELLS) * self.tokens_per_step
-
-    def evaluate(self, params) -> dict:
-        return mean_over_batches(self.eval_step, params, self.test)
-
-    def finish(self, state) -> None:
-        return None
+    def initial_carry(self) -> dict:
+        """Every slot halted, so step 0 fills all of them from its batch."""
+        carry = self.carry
+        return jax.jit(lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()}, out_shardings=shardings_of(carry))()

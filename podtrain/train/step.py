@@ -21,15 +21,18 @@ def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
 def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
-    loss_fn(params, carry, microbatch, key) -> (loss, (carry, metrics)), where `carry` is this
-    microbatch's slice of state["carry"] (what a model keeps from one step to the next, e.g. the
-    ACT state of HRM/TRM; None without one) and `key` is fresh randomness for every microbatch
-    of every step. Microbatch gradients are summed in a scan inside the step, so accumulation
-    costs no extra dispatch and the accumulator lives sharded like the params. A metric is a
-    scalar, averaged over the microbatches, or a (sum, count) pair, pooled over them.
+    loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss (see
+    train/task.py) of the model built from the params; `carry` is this microbatch's slice of
+    state["carry"] (e.g. the ACT state of HRM/TRM; None without one) and `key` is fresh randomness
+    for every microbatch of every step. Microbatch gradients are summed in a scan inside the step,
+    so accumulation costs no extra dispatch and the accumulator lives sharded like the params. A
+    metric is a scalar, averaged over the microbatches, or a (sum, count) pair, pooled over them.
     """
-    tx, lr = setup.tx, optim.schedule(cfg_train)
+    tx, lr, fns = setup.tx, optim.schedule(cfg_train), setup.fns
     param_shardings = shardings_of(setup.abstract_state["params"])
+
+    def params_loss(params, carry, micro, key):
+        return loss_fn(fns.module(params), carry, micro, key)
 
     def step(state, batch):
         params, n_micro = state["params"], batch.shape[0]
@@ -37,7 +40,7 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
 
         def accumulate(grads, xs):
             carry, micro, key = xs
-            (loss, (carry, metrics)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, carry, micro, key)
+            (loss, (carry, metrics)), g = jax.value_and_grad(params_loss, has_aux=True)(params, carry, micro, key)
             return jax.tree.map(jnp.add, grads, g), (carry, {"loss": loss, **metrics})
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)

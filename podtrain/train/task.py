@@ -1,0 +1,46 @@
+"""The task interface: what a model learns from and how it is scored.
+
+The state, the train step, accumulation, the optimizer and checkpoints are shared by every model;
+a task brings only its data, a loss, an evaluation and a finish hook (torchtitan's TrainSpec is
+the model). `loss_fn` and `eval_fn` are module-level pure functions of the model built from the
+params, so they can be called, differentiated and tested on their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from podtrain.data.loader import BatchReader
+
+
+class Task:
+    """One kind of training. A subclass's __init__(cfg, mesh) loads the data and sets:
+
+    summary       one line on the data, printed at the start
+    batches       the train batches, (grad_accum, microbatch, ...), indexed by step
+    eval_batches  the evaluation batches, (batch, ...)
+    positions     the positions (tokens, cells) one example trains, for tokens/s and MFU
+    carry         what the step keeps per example from one step to the next, as abstract arrays
+                  laid out like `batches` ({name: jax.ShapeDtypeStruct}), or None
+    """
+
+    # loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)): `carry` is this
+    # microbatch's slice of the carry, `key` fresh randomness. A metric is a scalar, or a
+    # (sum, count) pair that the step pools over microbatches.
+    loss_fn: Callable
+    # eval_fn(model, batch) -> {metric: mean over the batch}
+    eval_fn: Callable
+
+    summary: str
+    batches: BatchReader
+    eval_batches: BatchReader
+    positions: int
+    carry: dict | None = None
+
+    def initial_carry(self) -> dict | None:
+        """The carry's value at step 0, laid out like `carry`."""
+        return None
+
+    def finish(self, fns, params) -> Any:
+        """What to show at the end of training (a sample of text), or None."""
+        return None
