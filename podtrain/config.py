@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,21 +23,57 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from podtrain.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: finite numbers in an interval, written as in the README:
+    `> 0`, `>= 1`, `[0, 1)`, `finite`, or `-1 or >= 1` (-1 meaning "the rest")."""
+
+    text: str
+
+    def _parts(self) -> tuple[bool, float, float, bool, bool]:
+        """(minus_one_allowed, low, high, low_open, high_open)."""
+        text, minus_one = self.text, self.text.startswith("-1 or ")
+        text = text.removeprefix("-1 or ")
+        if text == "finite":
+            return minus_one, -math.inf, math.inf, True, True
+        if m := re.fullmatch(r"(>=?) (\S+)", text):
+            return minus_one, float(m[2]), math.inf, m[1] == ">", True
+        m = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", text)
+        return minus_one, float(m[2]), float(m[3]), m[1] == "(", m[4] == ")"
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        minus_one, low, high, low_open, high_open = self._parts()
+        if minus_one and value == -1:
+            return True
+        return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def ranged(default, valid: str):
+    """A numeric config key with its default and its valid values (a Range), e.g. ranged(0.9, "[0, 1)")."""
+    Range(valid)._parts()  # a malformed range fails at import
+    return field(default=default, metadata={"range": Range(valid)})
+
+
 @dataclass
 class ModelConfig:
     """The keys every model family has. Each family's config, beside its model and registered by
     name in podtrain.models, adds its own; `model.name` picks which one a config is checked against."""
 
     name: str = "llama"
-    vocab_size: int = 256
-    d_model: int = 128
-    n_heads: int = 4
-    d_ff: int = 384
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    vocab_size: int = ranged(256, ">= 1")
+    d_model: int = ranged(128, ">= 1")
+    n_heads: int = ranged(4, ">= 1")
+    d_ff: int = ranged(384, ">= 1")
+    max_seq_len: int = ranged(256, ">= 1")
+    rope_theta: float = ranged(10000.0, "> 0")
+    norm_eps: float = ranged(1e-5, "> 0")
     remat: str = "none"  # none | full | dots
-    scan_unroll: int = 1  # layers per scan iteration; the layer count unrolls fully
+    scan_unroll: int = ranged(1, ">= 1")  # layers per scan iteration; the layer count unrolls fully
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
     attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
 
@@ -47,37 +85,37 @@ class ModelConfig:
 
 @dataclass
 class MeshConfig:
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = ranged(-1, "-1 or >= 1")
+    fsdp: int = ranged(1, "-1 or >= 1")
+    tensor: int = ranged(1, "-1 or >= 1")
 
 
 @dataclass
 class TrainConfig:
     """The keys of every task; a task adds its own (TextTrainConfig)."""
 
-    steps: int = 200
-    batch_size: int = 16  # global, across all devices and processes
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    ema: float = 0.0  # decay of an exponential moving average of the weights (e.g. 0.999); 0 for none
-    log_every: int = 20
-    eval_every: int = 100
-    eval_batches: int = 8
+    steps: int = ranged(200, ">= 1")
+    batch_size: int = ranged(16, ">= 1")  # global, across all devices and processes
+    lr: float = ranged(2e-3, "> 0")
+    min_lr_ratio: float = ranged(0.1, "[0, 1]")
+    warmup_steps: int = ranged(20, ">= 0")
+    weight_decay: float = ranged(0.1, ">= 0")
+    beta1: float = ranged(0.9, "[0, 1)")
+    beta2: float = ranged(0.95, "[0, 1)")
+    grad_clip: float = ranged(1.0, ">= 0")  # 0: off
+    grad_accum: int = ranged(1, ">= 1")
+    ema: float = ranged(0.0, "[0, 1)")  # decay of an exponential moving average of the weights (e.g. 0.999); 0 for none
+    log_every: int = ranged(20, ">= 1")
+    eval_every: int = ranged(100, ">= 1")
+    eval_batches: int = ranged(8, ">= 1")
 
 
 @dataclass
 class TextTrainConfig(TrainConfig):
     """Language modelling: the window length and the closing sample."""
 
-    seq_len: int = 256
-    sample_tokens: int = 200  # text sampled from the model at the end; 0 for none
+    seq_len: int = ranged(256, ">= 1")
+    sample_tokens: int = ranged(200, ">= 0")  # text sampled from the model at the end; 0 for none
 
 
 # A task's train keys: a puzzle's length is the data's, and puzzles are not sampled.
@@ -86,8 +124,8 @@ TRAIN_CONFIGS = {"text": TextTrainConfig, "puzzles": TrainConfig}
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100
-    keep: int = 3
+    every: int = ranged(100, ">= 1")
+    keep: int = ranged(3, ">= 1")
     dir: str | None = None  # default: RUN_DIR/checkpoints
     async_save: bool = True
 
@@ -96,12 +134,12 @@ class CheckpointConfig:
 class DataConfig:
     source: str = "pydoc"  # pydoc (the English docs every CPython ships) | text (data.path) | sudoku (data.path: `podtrain data sudoku --out DIR`)
     path: str | None = None
-    val_fraction: float = 0.1
+    val_fraction: float = ranged(0.1, "(0, 1)")
 
 
 @dataclass
 class DistributedConfig:
-    init_timeout: int = 300  # seconds for all processes to join the coordinator
+    init_timeout: int = ranged(300, ">= 1")  # seconds for all processes to join the coordinator
 
 
 @dataclass
@@ -114,7 +152,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device_type: str = "auto"  # auto | tpu | gpu | cuda | cpu
     run_dir: str = "runs/default"
-    seed: int = 0
+    seed: int = ranged(0, ">= 0")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -142,13 +180,6 @@ CHOICES = {
     "model.projection": ("sinkhorn", "permutations"),
     "data.source": ("pydoc", "text", "sudoku"),
 }
-
-# Integer keys that count something and so must be at least 1, where the family has them.
-POSITIVE = (
-    "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum", "train.log_every", "train.eval_every",
-    "checkpoint.every", "distributed.init_timeout", "model.n_layers", "model.scan_unroll", "model.streams", "model.sinkhorn_iters",
-    "model.H_cycles", "model.L_cycles", "model.H_layers", "model.L_layers", "model.halt_max_steps", "model.puzzle_emb_len",
-)  # fmt: skip
 
 # Flags from the setup guides, each an alias of one config key.
 FLAG_ALIASES = {
@@ -248,11 +279,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
     """The config of `path` with `overrides`, checked against the keys of its model family.
     `small_model` swaps in the tiny job's layer sizes; the vocabulary, sequence length and
     precision stay the recipe's, so its data and train.seq_len still fit."""
-    layers = [OmegaConf.create(_read_yaml(path))] if path else []
+    layers = []
+    if path:
+        data = _read_yaml(path)
+        check_structure(data, str(path))
+        layers.append(OmegaConf.create(data))
     try:
         layers.append(OmegaConf.from_dotlist(mesh_from_env(environ) + parse_overrides(list(overrides))))
     except OmegaConfBaseException as e:
         raise ConfigError(f"Could not parse overrides: {e.msg}") from None
+    check_structure(OmegaConf.to_container(layers[-1]), "the overrides")
     defaults = default_config(_model_name(layers))
     if small_model:
         tiny = default_config().model
@@ -263,6 +299,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
     return cfg
 
 
+def ranges(node: Any, prefix: str = "") -> list[tuple[str, Range, Any]]:
+    """(dotted key, valid values, value) of every numeric key of a config."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            found += ranges(value, f"{prefix}{f.name}.")
+        elif "range" in f.metadata:
+            found.append((prefix + f.name, f.metadata["range"], value))
+    return found
+
+
+def check_structure(data: dict, where: str) -> None:
+    """Sections are mappings of single values: say so, naming the key, before OmegaConf's errors would."""
+    for name, value in data.items():
+        section = isinstance(getattr(Config(), str(name), None), (ModelConfig, MeshConfig, TrainConfig, CheckpointConfig, DataConfig, DistributedConfig))
+        if section and not isinstance(value, dict):
+            raise ConfigError(f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`.")
+        for key, item in (value.items() if section else [(None, value)]):
+            full = f"{name}.{key}" if key is not None else str(name)
+            if isinstance(item, (dict, list)):
+                raise ConfigError(f"Config key `{full}` in {where} must be a single value (a number, string or boolean), not `{item!r}`.")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than a type: choices, ranges and relations between values."""
     tree = OmegaConf.structured(cfg)
@@ -270,16 +330,13 @@ def validate(cfg: Config) -> None:
         value = OmegaConf.select(tree, key)
         if value is not None and value not in options:
             raise ConfigError(f"Config key `{key}` is {value!r}; choose one of: {', '.join(options)}.")
-    for key in POSITIVE:
-        value = OmegaConf.select(tree, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"Config key `{key}` must be at least 1.")
+    for key, valid, value in ranges(cfg):
+        if value not in valid:
+            raise ConfigError(f"Config key `{key}` is {value!r}, outside its valid values: {valid}, finite. Give a value in that range; the README lists each key's.")
     cfg.model.validate()
     t = cfg.train
     if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
-    if not 0 <= t.ema < 1:
-        raise ConfigError(f"train.ema={t.ema} must be in [0, 1): the EMA decay per step (e.g. 0.999), or 0 for no EMA.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
     if cfg.data.source == "text" and not cfg.data.path:

@@ -78,10 +78,11 @@ def test_four_streams_with_identity_mixing_are_llama():
     """n=4 with the bias laid out (pre n, post n, res n·n) and α=0: H_res = Sinkhorn(±30) = I, H_pre =
     σ(±30) reads stream 0 alone, H_post = 2σ(0) = 1 adds the branch to every stream. The streams start
     as copies of the embedding and get the same updates, so each is Llama's residual and their sum is
-    4x Llama's; with norm_eps=0 the final RMSNorm divides the factor out exactly. With H_post writing
-    into stream 0 alone, the sum keeps 3 copies of the embedding and the logits differ."""
-    llama, llama_params, tokens = _model(SMALL + ["model.norm_eps=0"])
-    mhc, params, _ = _model(MHC + ["model.norm_eps=0"])
+    4x Llama's; with norm_eps=1e-30 (negligible next to the mean square) the final RMSNorm divides
+    the factor out. With H_post writing into stream 0 alone, the sum keeps 3 copies of the embedding
+    and the logits differ."""
+    llama, llama_params, tokens = _model(SMALL + ["model.norm_eps=1e-30"])
+    mhc, params, _ = _model(MHC + ["model.norm_eps=1e-30"])
     shared = {k: v for k, v in llama_params.items() if k != "layers"}
     layers = {**params["layers"], **llama_params["layers"]}
     res = jnp.where(jnp.eye(4, dtype=bool), 30.0, -30.0).ravel()

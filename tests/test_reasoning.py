@@ -266,7 +266,7 @@ def test_split_reads_the_rows(puzzles):
         (["model.name=trm", "train.seq_len=81"], "Unknown config key `train.seq_len` for model.name=trm"),
         (["model.name=hrm", "model.n_layers=2"], "Did you mean `model.L_layers`?"),
         (["model.name=hrm", "model.mlp_t=true"], "Unknown config key `model.mlp_t`"),
-        (["model.name=trm", "model.halt_max_steps=0"], "at least 1"),
+        (["model.name=trm", "model.halt_max_steps=0"], "valid values: >= 1"),
     ],
 )
 def test_mismatched_model_and_data_are_clear_errors(tmp_path, capsys, overrides, message):

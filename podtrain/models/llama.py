@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config import ModelConfig
+from podtrain.config import ModelConfig, ranged
 from podtrain.errors import ConfigError
 from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
 from podtrain.runtime.mesh import constrain
@@ -18,10 +18,10 @@ from podtrain.runtime.mesh import constrain
 @dataclass
 class LlamaConfig(ModelConfig):
     name: str = "llama"
-    n_layers: int = 4
-    n_kv_heads: int = 2  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
+    n_layers: int = ranged(4, ">= 1")
+    n_kv_heads: int = ranged(2, ">= 1")  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
     tie_embeddings: bool = True  # the output head is the embedding table, transposed
-    init_std: float = 0.02  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
+    init_std: float = ranged(0.02, "> 0")  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
 
     def validate(self) -> None:
         super().validate()

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from podtrain.config import ranged
 from podtrain.errors import ConfigError
 from podtrain.models import llama
 from podtrain.models.layers import RMSNorm, param
@@ -45,10 +46,10 @@ from podtrain.runtime.mesh import constrain
 @dataclass
 class MhcConfig(llama.LlamaConfig):
     name: str = "mhc"
-    streams: int = 4  # parallel residual streams (n)
-    sinkhorn_iters: int = 20
+    streams: int = ranged(4, ">= 1")  # parallel residual streams (n)
+    sinkhorn_iters: int = ranged(20, ">= 1")
     projection: str = "sinkhorn"  # sinkhorn (mHC) | permutations (mHC-lite, streams <= 4)
-    alpha_init: float = 0.01  # initial gate of the input-dependent part of the mixing
+    alpha_init: float = ranged(0.01, "finite")  # initial gate of the input-dependent part of the mixing
 
     def validate(self) -> None:
         super().validate()

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config import ModelConfig
+from podtrain.config import ModelConfig, ranged
 from podtrain.models.layers import ACT, HEAD, TABLE, Attention, SwiGLU, embed_tokens, output_head, param, rms_norm, rope_tables, scan_layers, stacked
 from podtrain.runtime.mesh import constrain
 
@@ -48,27 +48,27 @@ class RecursiveConfig(ModelConfig):
     """HRM and TRM: the recursion under the names of their reference configs, and Sudoku's
     vocabulary and length as defaults."""
 
-    vocab_size: int = 11
-    max_seq_len: int = 81
-    H_cycles: int = 3
-    L_cycles: int = 6
-    L_layers: int = 2
-    halt_max_steps: int = 16
-    halt_exploration_prob: float = 0.1
+    vocab_size: int = ranged(11, ">= 1")
+    max_seq_len: int = ranged(81, ">= 1")
+    H_cycles: int = ranged(3, ">= 1")
+    L_cycles: int = ranged(6, ">= 1")
+    L_layers: int = ranged(2, ">= 1")
+    halt_max_steps: int = ranged(16, ">= 1")
+    halt_exploration_prob: float = ranged(0.1, "[0, 1]")
     no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
-    puzzle_emb_len: int = 16  # sequence positions in front of the puzzle for its learned embedding
-    num_puzzle_ids: int = 1  # one shared puzzle embedding for Sudoku
+    puzzle_emb_len: int = ranged(16, ">= 1")  # sequence positions in front of the puzzle for its learned embedding
+    num_puzzle_ids: int = ranged(1, ">= 1")  # one shared puzzle embedding for Sudoku
 
 
 @dataclass
 class HrmConfig(RecursiveConfig):
     name: str = "hrm"
-    H_cycles: int = 2
-    L_cycles: int = 2
-    H_layers: int = 4  # the high-level module's blocks; L_layers the low-level one's
-    L_layers: int = 4
+    H_cycles: int = ranged(2, ">= 1")
+    L_cycles: int = ranged(2, ">= 1")
+    H_layers: int = ranged(4, ">= 1")  # the high-level module's blocks; L_layers the low-level one's
+    L_layers: int = ranged(4, ">= 1")
     no_ACT_continue: bool = False
-    puzzle_emb_len: int = 1
+    puzzle_emb_len: int = ranged(1, ">= 1")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
-from podtrain.config import Config, resolve_auto, save_config
+from podtrain.config import Config, default_config, resolve_auto, save_config
 from podtrain.errors import ConfigError, TrainingDiverged
 from podtrain.models import flops_per_token, task_of
 from podtrain.runtime.mesh import data_parallel_size, sharded_jit
@@ -87,6 +87,20 @@ def compile_step(cfg: Config, mesh):
     return job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
 
 
+def divergence_hint(cfg: Config, latest: int | None) -> str:
+    """The likely cause, from how far the learning rate and warmup are from the model's defaults,
+    and what survives: the last checkpoint if one was written."""
+    t, usual = cfg.train, default_config(cfg.model.name).train
+    if t.lr > 3 * usual.lr:
+        cause = f"train.lr={t.lr:g} is {t.lr / usual.lr:,.0f}x this model's default ({usual.lr:g}): lower it"
+    elif t.warmup_steps < usual.warmup_steps / 2:
+        cause = f"train.warmup_steps={t.warmup_steps} is a short warmup (default {usual.warmup_steps}): raise it, or lower train.lr={t.lr:g}"
+    else:
+        cause = f"lower train.lr={t.lr:g} or raise train.warmup_steps={t.warmup_steps}"
+    kept = f"the checkpoint of step {latest} in {cfg.checkpoint_dir} is intact" if latest is not None else "no checkpoint had been written yet"
+    return f"Likely cause: {cause}. {kept[0].upper() + kept[1:]}."
+
+
 def _fmt(metrics: dict) -> str:
     return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
 
@@ -138,10 +152,7 @@ def train(cfg: Config) -> dict:
                 if done % t.log_every == 0 or done == t.steps:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     if not math.isfinite(metrics["loss"]):
-                        raise TrainingDiverged(
-                            f"The loss became {metrics['loss']} at step {done}. Lower train.lr or raise train.warmup_steps; "
-                            f"checkpoints up to step {checkpointer.latest_step()} in {cfg.checkpoint_dir} are intact."
-                        )
+                        raise TrainingDiverged(f"The loss became {metrics['loss']} at step {done}. {divergence_hint(cfg, checkpointer.latest_step())}")
                     step_time = (time.perf_counter() - clock) / (done - window_start) if done > window_start else None
                     last = {"step": done, **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
                     tps, mfu = last["tokens_per_sec"], last["mfu"]

@@ -1,0 +1,120 @@
+"""Every numeric key is checked against its valid range when the config loads, before any device,
+data or compile; a value of the wrong structure names its key; the README shows the same ranges."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from podtrain.cli import main
+from podtrain.config import Range, default_config, load_config, ranges
+from podtrain.train.loop import divergence_hint
+
+FAMILIES = ("llama", "mhc", "hrm", "trm")
+README = Path(__file__).parent.parent / "README.md"
+
+
+@pytest.mark.parametrize(
+    "override,valid",
+    [
+        ("train.lr=-1", "> 0"),  # open lower bound
+        ("train.lr=nan", "> 0"),  # finite
+        ("train.lr=inf", "> 0"),
+        ("model.rope_theta=0", "> 0"),
+        ("train.beta2=1.5", "[0, 1)"),  # closed below, open above
+        ("train.beta1=1", "[0, 1)"),
+        ("train.warmup_steps=-5", ">= 0"),  # closed lower bound
+        ("train.grad_clip=-1", ">= 0"),
+        ("train.min_lr_ratio=1.01", "[0, 1]"),  # closed interval
+        ("data.val_fraction=0", "(0, 1)"),  # open interval
+        ("mesh.fsdp=0", "-1 or >= 1"),
+        ("model.name=trm model.halt_exploration_prob=-0.1", "[0, 1]"),  # a family's key
+        ("model.name=mhc model.alpha_init=nan", "finite"),
+    ],
+)
+def test_out_of_range_exits_2_naming_key_and_range(override, valid, tmp_path, capsys, monkeypatch):
+    """Rejected while loading: nothing is started (runtime.start would fail the test)."""
+    import podtrain.train.loop as loop
+
+    monkeypatch.setattr(loop.runtime, "start", lambda cfg: pytest.fail("the runtime started"))
+    args = override.split()
+    assert main(["train", *args, f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    key = args[-1].split("=")[0]
+    assert f"Config key `{key}` is" in err and f"valid values: {valid}, finite" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("model: [1, 2]", "`model` in {path} must be a mapping of keys (like `model: {{key: value}}`), not `[1, 2]`"),
+        ("train: 5", "`train` in {path} must be a mapping of keys"),
+        ("train: {lr: {a: 1}}", "Config key `train.lr` in {path} must be a single value (a number, string or boolean), not `{{'a': 1}}`"),
+        ("seed: [1]", "Config key `seed` in {path} must be a single value"),
+    ],
+)
+def test_wrong_structure_names_the_key(text, message, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text + "\n")
+    assert main(["train", str(path)]) == 2
+    assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_range_bounds():
+    assert 0 not in Range("> 0") and 1e-12 in Range("> 0") and float("nan") not in Range("> 0") and float("inf") not in Range(">= 1")
+    assert 0 in Range("[0, 1)") and 1 not in Range("[0, 1)") and 1 in Range("[0, 1]") and 0 not in Range("(0, 1)")
+    assert -1 in Range("-1 or >= 1") and 0 not in Range("-1 or >= 1") and -1 not in Range(">= 1")
+    assert True not in Range("finite") and -3.5 in Range("finite")
+
+
+def test_every_numeric_key_of_every_family_has_a_range():
+    for name in FAMILIES:
+        cfg = default_config(name)
+        ranged = {key for key, _, _ in ranges(cfg)}
+        numeric = set()
+
+        def walk(node, prefix=""):
+            for f in dataclasses.fields(node):
+                value = getattr(node, f.name)
+                if dataclasses.is_dataclass(value):
+                    walk(value, f"{prefix}{f.name}.")
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    numeric.add(prefix + f.name)
+
+        walk(cfg)
+        assert numeric == ranged, (name, numeric ^ ranged)
+        assert all(value in valid for _, valid, value in ranges(cfg)), name  # the defaults are valid
+
+
+def readme_ranges() -> dict[str, str]:
+    """key -> valid column of the README's key tables (rows may list several keys, ranges split by '; ')."""
+    found, text = {}, README.read_text()
+    section = text[text.index("## Configuration") : text.index("## Hardware and the mesh")]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        if len(cells) < 4 or not cells[0].startswith("`"):
+            continue
+        family_table = re.fullmatch(r"(`(llama|mhc|hrm|trm)`(, )?)+", cells[0]) is not None
+        keys_cell, valid_cell = (cells[1], cells[3]) if family_table else (cells[0], cells[2])
+        keys = re.findall(r"`([\w.]+)`", keys_cell)
+        for key, valid in zip(keys, valid_cell.split("; "), strict=True):
+            found[key] = valid
+    return found
+
+
+def test_readme_shows_each_keys_range():
+    documented = readme_ranges()
+    for name in FAMILIES:
+        for key, valid, _ in ranges(default_config(name)):
+            assert documented.get(key) == str(valid), key
+    assert documented["model.name"] == "-" and documented["train.lr"] == "> 0"
+
+
+def test_divergence_names_the_likely_cause_and_only_a_real_checkpoint():
+    cfg = load_config(None, ["train.lr=1"])
+    hint = divergence_hint(cfg, None)
+    assert "train.lr=1 is 500x this model's default (0.002): lower it" in hint and "No checkpoint had been written yet" in hint
+    assert "short warmup" in divergence_hint(load_config(None, ["train.warmup_steps=0"]), 4)
+    assert "The checkpoint of step 4 in runs/default/checkpoints is intact" in divergence_hint(load_config(None), 4)
