@@ -106,8 +106,9 @@ class TrainConfig:
     grad_accum: int = ranged(1, ">= 1")
     ema: float = ranged(0.0, "[0, 1)")  # decay of an exponential moving average of the weights (e.g. 0.999); 0 for none
     log_every: int = ranged(20, ">= 1")
-    eval_every: int = ranged(100, ">= 1")
+    eval_every: int = ranged(100, ">= 0")  # 0: only after the last step
     eval_batches: int = ranged(8, ">= 1")
+    max_bad_steps: int = ranged(3, ">= 1")  # non-finite steps in a row (each skipped) before training stops
 
 
 @dataclass
@@ -124,7 +125,7 @@ TRAIN_CONFIGS = {"text": TextTrainConfig, "puzzles": TrainConfig}
 
 @dataclass
 class CheckpointConfig:
-    every: int = ranged(100, ">= 1")
+    every: int = ranged(100, ">= 0")  # 0: only after the last step
     keep: int = ranged(3, ">= 1")
     dir: str | None = None  # default: RUN_DIR/checkpoints
     async_save: bool = True

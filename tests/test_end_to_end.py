@@ -59,18 +59,27 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
 
 
 def test_resume_continues_exactly(tmp_path, small_overrides):
-    """A run stopped after its step-3 checkpoint and resumed logs the losses of an uninterrupted run."""
+    """A run stopped after its step-3 checkpoint and resumed logs the losses of an uninterrupted run,
+    and its metrics.jsonl, which already held steps 4-6 from before the stop, has each step once."""
 
     def train(run):
         main(["train", *small_overrides, f"run_dir={run}", "train.log_every=1", "checkpoint.every=3", "train.steps=6", "train.eval_every=100", "train.eval_batches=1"])
-        return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+        return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
 
     straight = train(tmp_path / "a")
-    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "6")  # as if stopped before the step-6 save
     resumed = train(tmp_path / "b")
-    assert sorted(resumed) == [4, 5, 6]
-    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [straight[s] for s in (4, 5, 6)], rtol=0, atol=1e-6)
+    assert [s for s, _ in resumed] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([loss for _, loss in resumed], [loss for _, loss in straight], rtol=0, atol=1e-6)
+    assert [r["step"] for r in read_metrics(tmp_path / "b") if "val_loss" in r] == [6]
+
+
+def test_every_zero_means_only_after_the_last_step(tmp_path, small_overrides):
+    run = tmp_path / "run"
+    assert main(["train", *small_overrides, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "train.eval_batches=1"]) == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [4]
 
 
 def test_config_is_written_resolved(tmp_path, small_overrides):

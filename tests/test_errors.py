@@ -46,5 +46,6 @@ def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
     run = tmp_path / "run"
     result = run_cli("train", *SMALL, f"run_dir={run}", "train.lr=1e12", "train.steps=6", "train.warmup_steps=1", "train.log_every=1", "checkpoint.every=1", "train.eval_every=100", "train.eval_batches=1")
     assert result.returncode == 2, result.stderr
-    assert "The loss became" in result.stderr and "Traceback" not in result.stderr
-    assert (run / "checkpoints" / "1").is_dir() and (run / "metrics.jsonl").read_text().count("\n") >= 1
+    assert "was not finite at steps 2 to 4" in result.stderr and "Traceback" not in result.stderr
+    assert "Likely cause: train.lr=1e+12 is" in result.stderr  # far above the default
+    assert (run / "checkpoints" / "4").is_dir() and (run / "metrics.jsonl").read_text().count("\n") >= 1

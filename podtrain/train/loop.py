@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +100,12 @@ def divergence_hint(cfg: Config, latest: int | None) -> str:
     return f"Likely cause: {cause}. {kept[0].upper() + kept[1:]}."
 
 
+def _due(done: int, every: int, steps: int) -> bool:
+    """Whether a periodic action (log, eval, checkpoint) runs after step `done`: every `every`
+    steps (0: never) and always after the last."""
+    return done == steps or (every > 0 and done % every == 0)
+
+
 def _fmt(metrics: dict) -> str:
     return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
 
@@ -136,23 +141,30 @@ def train(cfg: Config) -> dict:
         checkpointer.close()
         console.print(f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir.")
         return {"step": start}
-    log = MetricsLog(run_dir, rt.is_main)
+    log = MetricsLog(run_dir, start, rt.is_main)
     last: dict = {"step": start}
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
         with Progress(*columns, console=console, disable=not rt.is_main) as progress:
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
+            bad_run, previous = 0, None  # consecutive skipped updates; the last step's flag, read one step late to keep dispatch ahead
             for step in range(start, t.steps):
                 state, metrics = job.step(state, task.batches[step])
                 done = step + 1
+                if previous is not None:
+                    bad_run = bad_run + 1 if bool(previous) else 0
+                    if bad_run >= t.max_bad_steps:
+                        raise TrainingDiverged(
+                            f"The loss or gradient norm was not finite at steps {done - bad_run} to {done - 1} (train.max_bad_steps={t.max_bad_steps} in a row); "
+                            f"those updates were skipped. {divergence_hint(cfg, checkpointer.latest_step())}"
+                        )
+                previous = metrics["skipped"]
                 if done == start + 1:  # leave compilation out of the throughput
                     jax.block_until_ready(state)
                     window_start, clock = done, time.perf_counter()
-                if done % t.log_every == 0 or done == t.steps:
+                if _due(done, t.log_every, t.steps):
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    if not math.isfinite(metrics["loss"]):
-                        raise TrainingDiverged(f"The loss became {metrics['loss']} at step {done}. {divergence_hint(cfg, checkpointer.latest_step())}")
                     step_time = (time.perf_counter() - clock) / (done - window_start) if done > window_start else None
                     last = {"step": done, **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
                     tps, mfu = last["tokens_per_sec"], last["mfu"]
@@ -161,14 +173,15 @@ def train(cfg: Config) -> dict:
                     progress.update(bar, status=status)
                     progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else ""))
                     window_start, clock = done, time.perf_counter()
-                if done % t.eval_every == 0 or done == t.steps:
+                evaluated, saved = _due(done, t.eval_every, t.steps), _due(done, cfg.checkpoint.every, t.steps)
+                if evaluated:
                     evals = job.evaluate(weights(state))
                     last.update(evals)
                     log.write({"step": done, **evals}, prefix="eval")
                     progress.console.print(f"step {done:>6}  {_fmt(evals)}")
-                if done % cfg.checkpoint.every == 0 or done == t.steps:
+                if saved:
                     checkpointer.save(state)
-                if done % t.eval_every == 0 or done % cfg.checkpoint.every == 0:
+                if evaluated or saved:
                     window_start, clock = done, time.perf_counter()  # keep eval and saving out of throughput
                 progress.update(bar, completed=done)
     finally:

@@ -1,4 +1,9 @@
-"""Metrics to RUN_DIR/metrics.jsonl and TensorBoard events, written by process 0 only."""
+"""Metrics to RUN_DIR/metrics.jsonl and TensorBoard events, written by process 0 only.
+
+A resumed run continues the record of the step it resumed from: metrics.jsonl is rewritten
+without the lines past that step (logged before the run stopped, and about to be logged again),
+and TensorBoard is told to purge its events past it, so every step appears once.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,14 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, start_step: int = 0, enabled: bool = True):
         self.enabled = enabled
         if enabled:
-            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
-            self.tb = SummaryWriter(logdir=str(run_dir))
+            path = Path(run_dir) / "metrics.jsonl"
+            kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip() and json.loads(line)["step"] <= start_step] if path.exists() else []
+            path.write_text("".join(kept))
+            self.jsonl = open(path, "a")
+            self.tb = SummaryWriter(logdir=str(run_dir), purge_step=start_step)
 
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:

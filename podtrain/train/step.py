@@ -24,7 +24,8 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
     loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss (see
     train/task.py) of the model built from the params; `carry` is this microbatch's slice of
     state["carry"] (e.g. the ACT state of HRM/TRM; None without one) and `key` is fresh randomness
-    for every microbatch of every step. Microbatch gradients are summed in a scan inside the step,
+    for every microbatch of every step. A step whose loss or gradient norm is not finite leaves the
+    state unchanged but for the step, and says so in its `skipped` metric. Microbatch gradients are summed in a scan inside the step,
     so accumulation costs no extra dispatch and the accumulator lives sharded like the params. A
     metric is a scalar, averaged over the microbatches, or a (sum, count) pair, pooled over them.
     """
@@ -47,13 +48,18 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
         grads, (carry, metrics) = jax.lax.scan(accumulate, zeros, (state.get("carry"), batch, keys))
         grads = jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt = tx.update(grads, state["opt"], params)
-        new_state = {**state, "step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt": opt}
+        new_state = {**state, "params": optax.apply_updates(params, updates), "opt": opt}
         if carry is not None:
             new_state["carry"] = carry
         if "ema" in state:
             new_state["ema"] = optax.incremental_update(new_state["params"], state["ema"], step_size=1 - cfg_train.ema)
-        metrics = {k: _pool(v) for k, v in metrics.items()}
-        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"])}
+        metrics, grad_norm = {k: _pool(v) for k, v in metrics.items()}, optax.tree.norm(grads)
+        # A non-finite loss or gradient skips the update: the state stays as it was, only the step
+        # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        new_state = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in new_state.items()}
+        new_state["step"] = state["step"] + 1
+        return new_state, {**metrics, "grad_norm": grad_norm, "lr": lr(state["step"]), "skipped": ~finite}
 
     state_shardings = shardings_of(abstract_state)
     return sharded_jit(step, mesh, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
