@@ -198,13 +198,22 @@ FLAG_ALIASES = {
 MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
 
 
-def all_keys(node: Any) -> list[str]:
-    """Every dotted key of a config, e.g. `train.lr`."""
-    keys = []
+def leaves(node: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every value of a config, e.g. ("train.lr", its field, 0.002)."""
+    found = []
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
-        keys += [f"{f.name}.{k}" for k in all_keys(value)] if dataclasses.is_dataclass(value) else [f.name]
-    return keys
+        found += leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [(prefix + f.name, f, value)]
+    return found
+
+
+def all_keys(node: Any) -> list[str]:
+    return [key for key, _, _ in leaves(node)]
+
+
+def ranges(node: Any) -> list[tuple[str, Range, Any]]:
+    """(dotted key, valid values, value) of every numeric key of a config."""
+    return [(key, f.metadata["range"], value) for key, f, value in leaves(node) if "range" in f.metadata]
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -300,22 +309,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
     return cfg
 
 
-def ranges(node: Any, prefix: str = "") -> list[tuple[str, Range, Any]]:
-    """(dotted key, valid values, value) of every numeric key of a config."""
-    found = []
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            found += ranges(value, f"{prefix}{f.name}.")
-        elif "range" in f.metadata:
-            found.append((prefix + f.name, f.metadata["range"], value))
-    return found
-
-
 def check_structure(data: dict, where: str) -> None:
     """Sections are mappings of single values: say so, naming the key, before OmegaConf's errors would."""
     for name, value in data.items():
-        section = isinstance(getattr(Config(), str(name), None), (ModelConfig, MeshConfig, TrainConfig, CheckpointConfig, DataConfig, DistributedConfig))
+        section = dataclasses.is_dataclass(getattr(Config(), str(name), None))
         if section and not isinstance(value, dict):
             raise ConfigError(f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`.")
         for key, item in (value.items() if section else [(None, value)]):

@@ -1,14 +1,13 @@
 """Every numeric key is checked against its valid range when the config loads, before any device,
 data or compile; a value of the wrong structure names its key; the README shows the same ranges."""
 
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from podtrain.cli import main
-from podtrain.config import Range, default_config, load_config, ranges
+from podtrain.config import Range, default_config, leaves, load_config, ranges
 from podtrain.train.loop import divergence_hint
 
 FAMILIES = ("llama", "mhc", "hrm", "trm")
@@ -73,17 +72,7 @@ def test_every_numeric_key_of_every_family_has_a_range():
     for name in FAMILIES:
         cfg = default_config(name)
         ranged = {key for key, _, _ in ranges(cfg)}
-        numeric = set()
-
-        def walk(node, prefix=""):
-            for f in dataclasses.fields(node):
-                value = getattr(node, f.name)
-                if dataclasses.is_dataclass(value):
-                    walk(value, f"{prefix}{f.name}.")
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    numeric.add(prefix + f.name)
-
-        walk(cfg)
+        numeric = {key for key, _, value in leaves(cfg) if isinstance(value, (int, float)) and not isinstance(value, bool)}
         assert numeric == ranged, (name, numeric ^ ranged)
         assert all(value in valid for _, valid, value in ranges(cfg)), name  # the defaults are valid
 
