@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,7 @@ class RecursiveConfig(ModelConfig):
     no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
     puzzle_emb_len: int = ranged(16, ">= 1")  # sequence positions in front of the puzzle for its learned embedding
     num_puzzle_ids: int = ranged(1, ">= 1")  # one shared puzzle embedding for Sudoku
+    mlp_t: ClassVar[bool] = False  # attention in every block; TRM makes it a key
 
 
 @dataclass
@@ -145,7 +147,7 @@ class RecursiveReasoner(nnx.Module):
     def __call__(self, carry, tokens: jax.Array, puzzle_ids: jax.Array):
         """One segment: (carry, logits (batch, seq, vocab), q (batch, 2) = halt, continue logits)."""
         x = self.inputs(tokens, puzzle_ids)
-        rope = None if getattr(self.cfg, "mlp_t", False) else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        rope = None if self.cfg.mlp_t else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
         z_h, z_l = self.recurse(*carry, x, rope)
         dtype = z_h.dtype
         logits = output_head(z_h[:, self.cfg.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)
@@ -192,7 +194,7 @@ def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
     4·length·d; the backward of the passes with gradients costs twice their forward; HRM's target
     Q-value repeats the segment's forward. All `length` positions are counted, per cell."""
     r, d, length = cfg, cfg.d_model, seq_len + cfg.puzzle_emb_len
-    mix = 3 * d * _swiglu_width(length) if getattr(cfg, "mlp_t", False) else 4 * d * d + 2 * length * d
+    mix = 3 * d * _swiglu_width(length) if cfg.mlp_t else 4 * d * d + 2 * length * d
     block = 2 * (mix + 3 * d * cfg.d_ff)
     if cfg.name == "hrm":
         forward, with_grad = r.H_cycles * (r.L_cycles * r.L_layers + r.H_layers), r.L_layers + r.H_layers

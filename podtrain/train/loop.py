@@ -96,8 +96,8 @@ def divergence_hint(cfg: Config, latest: int | None) -> str:
         cause = f"train.warmup_steps={t.warmup_steps} is a short warmup (default {usual.warmup_steps}): raise it, or lower train.lr={t.lr:g}"
     else:
         cause = f"lower train.lr={t.lr:g} or raise train.warmup_steps={t.warmup_steps}"
-    kept = f"the checkpoint of step {latest} in {cfg.checkpoint_dir} is intact" if latest is not None else "no checkpoint had been written yet"
-    return f"Likely cause: {cause}. {kept[0].upper() + kept[1:]}."
+    kept = f"The checkpoint of step {latest} in {cfg.checkpoint_dir} is intact" if latest is not None else "No checkpoint had been written yet"
+    return f"Likely cause: {cause}. {kept}."
 
 
 def _due(done: int, every: int, steps: int) -> bool:

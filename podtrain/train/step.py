@@ -48,18 +48,17 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
         grads, (carry, metrics) = jax.lax.scan(accumulate, zeros, (state.get("carry"), batch, keys))
         grads = jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt = tx.update(grads, state["opt"], params)
-        new_state = {**state, "params": optax.apply_updates(params, updates), "opt": opt}
+        updated = {"params": optax.apply_updates(params, updates), "opt": opt}
         if carry is not None:
-            new_state["carry"] = carry
+            updated["carry"] = carry
         if "ema" in state:
-            new_state["ema"] = optax.incremental_update(new_state["params"], state["ema"], step_size=1 - cfg_train.ema)
+            updated["ema"] = optax.incremental_update(updated["params"], state["ema"], step_size=1 - cfg_train.ema)
         metrics, grad_norm = {k: _pool(v) for k, v in metrics.items()}, optax.tree.norm(grads)
         # A non-finite loss or gradient skips the update: the state stays as it was, only the step
         # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        new_state = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in new_state.items()}
-        new_state["step"] = state["step"] + 1
-        return new_state, {**metrics, "grad_norm": grad_norm, "lr": lr(state["step"]), "skipped": ~finite}
+        kept = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in updated.items()}
+        return {**kept, "step": state["step"] + 1}, {**metrics, "grad_norm": grad_norm, "lr": lr(state["step"]), "skipped": ~finite}
 
     state_shardings = shardings_of(abstract_state)
     return sharded_jit(step, mesh, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
