@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, generate, plot, doctor, launch, data."""
+"""The `podtrain` command: train, generate, checkpoints, plot, doctor, launch, data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from podtrain.errors import ConfigError, PodtrainError
+from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 
 def _config(args):
@@ -52,6 +52,24 @@ def _generate(args) -> None:
     from podtrain.train.sample import generate_from_run
 
     print(args.prompt + generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+
+
+def _checkpoints(args) -> None:
+    import json
+
+    from podtrain.config import run_config
+    from podtrain.train.checkpoint import describe, run_checkpoints
+
+    rows = describe(run_checkpoints(args.run_dir, run_config(args.run_dir)))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for row in rows:
+        if row.get("set_aside"):
+            print(f"{row['step']:>12}  set aside as damaged")
+        else:
+            state = "verified" if row["verified"] else f"DAMAGED: {row['problem']}"
+            print(f"{row['step']:>12}  {row['time']}  {row['bytes'] / 2**20:9.2f} MiB  {row['digest'] or '-':16}  {state}")
 
 
 def _plot(args) -> None:
@@ -123,6 +141,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=_generate)
 
+    c = sub.add_parser("checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies")
+    c.add_argument("run_dir")
+    c.add_argument("--json", action="store_true", help="one JSON list, for scripts")
+    c.set_defaults(func=_checkpoints)
+
     pl = sub.add_parser("plot", help="PNG curves of loss, val_loss, lr and tokens/s for one or more runs")
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="PNG path (default: FIRST_RUN_DIR/curves.png)")
@@ -130,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("train", "generate", "plot", "doctor", "launch", "data")
+COMMANDS = ("train", "generate", "checkpoints", "plot", "doctor", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -145,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
         return args.func(args) or 0
+    except Preempted as e:
+        print(f"podtrain: {e}", file=sys.stderr)
+        return e.exit_code
     except PodtrainError as e:
         print(f"podtrain: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -156,8 +156,9 @@ class Config:
     seed: int = ranged(0, ">= 0")
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return Path(self.checkpoint.dir or Path(self.run_dir) / "checkpoints")
+    def checkpoint_dir(self) -> str:
+        """A string, not a Path: Path would turn gs://bucket/run into the local gs:/bucket/run."""
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
 
 
 def default_config(model: str = "llama") -> Config:
@@ -348,7 +349,31 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(to_yaml(cfg))
+    """Written whole or not at all (a temporary file renamed over it), so a kill leaves the last one."""
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text(to_yaml(cfg))
+    temporary.replace(path)
+
+
+def run_config(run_dir: str | Path) -> Config:
+    """The config a run was trained with, from RUN_DIR/config.yaml."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
+    return load_config(path)
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in node.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return flat
+
+
+def differences(path: str | Path, cfg: Config) -> list[str]:
+    """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
+    old, new = _flat(yaml.safe_load(Path(path).read_text()) or {}), _flat(yaml.safe_load(to_yaml(cfg)))
+    return [f"{key} ({old.get(key)} there, {new.get(key)} here)" for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:

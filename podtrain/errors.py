@@ -33,3 +33,10 @@ class CheckpointError(PodtrainError):
 
 class DistributedError(PodtrainError):
     """A half-set multi-process environment, or processes that cannot join each other."""
+
+
+class Preempted(PodtrainError):
+    """Stopped by SIGTERM or SIGINT after saving a checkpoint; rerunning the same command resumes.
+    The exit code is EX_TEMPFAIL, "try again", distinct from errors (2) and from being killed (128 + signal)."""
+
+    exit_code = 75

@@ -4,7 +4,8 @@ Each process gets JAX_COORDINATOR_ADDRESS, JAX_PROCESS_COUNT and JAX_PROCESS_IND
 of the devices: K fake CPU devices, or K GPUs through CUDA_VISIBLE_DEVICES. Output is streamed with
 a rank prefix and written to one log file per process. The launch fails fast: when one process
 exits with an error, the others are stopped and the launch exits non-zero, since the survivors
-would otherwise wait for it in their next collective.
+would otherwise wait for it in their next collective. A process that stops after saving on
+SIGTERM (errors.Preempted) is not a failure: the others are saving at the same step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from podtrain.errors import ConfigError
+from podtrain.errors import ConfigError, Preempted
 
 STOP_GRACE_S = 5
 
@@ -99,8 +100,21 @@ def launch(argv: list[str], nproc: int, log_dir: Path, devices_per_proc: int | N
     log_dir.mkdir(parents=True, exist_ok=True)
     count, base, lock = nnodes * nproc, dict(os.environ), threading.Lock()
     print(f"[launch] {nproc} of {count} processes on this node, coordinator {coordinator}, logs in {log_dir}/", flush=True)
-    processes = []
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the processes too
+    processes: list[_Process] = []
+    asked: list[int] = []
+
+    def forward(signum, _frame):
+        """SIGTERM or SIGINT to the launch: the processes save and stop together; asked again, they are stopped now."""
+        if asked:
+            sys.exit(128 + signum)
+        asked.append(signum)
+        print(f"[launch] {signal.Signals(signum).name}: asking the processes to save and stop (again to stop them at once)", file=sys.stderr, flush=True)
+        for p in processes:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
     try:
         for local_rank in range(nproc):
             rank = node_rank * nproc + local_rank
@@ -108,16 +122,15 @@ def launch(argv: list[str], nproc: int, log_dir: Path, devices_per_proc: int | N
             processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock))
             print(f"[launch] process {rank}: pid {processes[-1].popen.pid}", flush=True)
         while True:
-            failed = next((p for p in processes if p.popen.poll() not in (None, 0)), None)
+            codes = [p.popen.poll() for p in processes]
+            failed = next((p for p, code in zip(processes, codes) if code not in (None, 0, Preempted.exit_code)), None)
             if failed:
                 code = failed.popen.returncode
                 print(f"[launch] process {failed.rank} ended with {_exit_status(code)}; stopping the other processes", file=sys.stderr, flush=True)
                 return code if code > 0 else 128 - code
-            if all(p.popen.poll() == 0 for p in processes):
-                return 0
+            if None not in codes:  # all done, or all stopped after saving at the same step
+                return Preempted.exit_code if Preempted.exit_code in codes else 0
             time.sleep(0.1)
-    except KeyboardInterrupt:
-        return 130
     finally:
         _stop(processes)
         for p in processes:

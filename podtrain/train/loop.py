@@ -12,14 +12,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
-from podtrain.config import Config, default_config, resolve_auto, save_config
-from podtrain.errors import ConfigError, TrainingDiverged
+from podtrain.config import Config, default_config, differences, resolve_auto, save_config
+from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from podtrain.models import flops_per_token, task_of
 from podtrain.runtime.mesh import data_parallel_size, sharded_jit
 from podtrain.train import optim
-from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer
 from podtrain.train.lm import LanguageTask
 from podtrain.train.metrics import MetricsLog
+from podtrain.train.preemption import StopRequests
 from podtrain.train.reasoning import PuzzleTask
 from podtrain.train.state import TrainSetup, init_state, shardings_of, train_setup, weights
 from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
@@ -86,9 +87,23 @@ def compile_step(cfg: Config, mesh):
     return job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
 
 
+def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
+    """The state of the run's newest intact checkpoint (damaged newer ones set aside), or a new one."""
+    if checkpointer.latest_step() is None:
+        return job.init_state(cfg.seed)
+    try:
+        return checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"}, set_aside=True, say=say)
+    except CheckpointMismatch as e:
+        saved = Path(cfg.run_dir) / "config.yaml"
+        changed = [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
+        why = f" The run's config.yaml differs from this config in: {'; '.join(changed)}." if changed else ""
+        raise CheckpointError(f"{e}{why} Resume with the config the run was trained with, or use a new run_dir.") from None
+
+
 def divergence_hint(cfg: Config, latest: int | None) -> str:
     """The likely cause, from how far the learning rate and warmup are from the model's defaults,
-    and what survives: the last checkpoint if one was written."""
+    and what survives: the newest complete checkpoint, verified on resume or written from this
+    run's finite state (skipped updates never reach one)."""
     t, usual = cfg.train, default_config(cfg.model.name).train
     if t.lr > 3 * usual.lr:
         cause = f"train.lr={t.lr:g} is {t.lr / usual.lr:,.0f}x this model's default ({usual.lr:g}): lower it"
@@ -119,24 +134,23 @@ def train(cfg: Config) -> dict:
     run_dir = Path(cfg.run_dir)
     job = build(cfg, rt.mesh)
     task = job.task
+    console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
-    resumed = checkpointer.latest_step()
-    state = job.init_state(cfg.seed) if resumed is None else checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"})
+    state = resume(job, checkpointer, cfg, console.print)
+    start = int(jax.device_get(state["step"]))
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-    console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
         f"{task.summary}; "
-        + (f"resuming from step {resumed}" if resumed is not None else "starting from scratch")
+        + (f"resuming from step {start}" if start else "starting from scratch")
     )
 
     note = optim.warmup_note(t)
     if note:
         console.print(f"[podtrain] note: {note}")
     tokens_per_step, flops_per_step = job.tokens_per_step, job.flops_per_step
-    start = int(jax.device_get(state["step"]))
     if start >= t.steps:
         checkpointer.close()
         console.print(f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir.")
@@ -145,7 +159,7 @@ def train(cfg: Config) -> dict:
     last: dict = {"step": start}
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
-        with Progress(*columns, console=console, disable=not rt.is_main) as progress:
+        with Progress(*columns, console=console, disable=not rt.is_main) as progress, StopRequests() as stop:
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
             bad_run, previous = 0, None  # consecutive skipped updates; the last step's flag, read one step late to keep dispatch ahead
@@ -155,6 +169,7 @@ def train(cfg: Config) -> dict:
                 if previous is not None:
                     bad_run = bad_run + 1 if bool(previous) else 0
                     if bad_run >= t.max_bad_steps:
+                        checkpointer.wait()
                         raise TrainingDiverged(
                             f"The loss or gradient norm was not finite at steps {done - bad_run} to {done - 1} (train.max_bad_steps={t.max_bad_steps} in a row); "
                             f"those updates were skipped. {divergence_hint(cfg, checkpointer.latest_step())}"
@@ -184,6 +199,11 @@ def train(cfg: Config) -> dict:
                 if evaluated or saved:
                     window_start, clock = done, time.perf_counter()  # keep eval and saving out of throughput
                 progress.update(bar, completed=done)
+                if stop.reached(done) and done < t.steps:
+                    if not saved:
+                        checkpointer.save(state)
+                    checkpointer.wait()
+                    raise Preempted(f"stopped after step {done} and saved its checkpoint in {cfg.checkpoint_dir}; run the same command again to continue.")
     finally:
         checkpointer.close()
         log.close()

@@ -19,7 +19,7 @@ class MetricsLog:
         self.enabled = enabled
         if enabled:
             path = Path(run_dir) / "metrics.jsonl"
-            kept = [line for line in path.read_text().splitlines(keepends=True) if line.strip() and json.loads(line)["step"] <= start_step] if path.exists() else []
+            kept = [line for line in _records(path) if json.loads(line)["step"] <= start_step]
             path.write_text("".join(kept))
             self.jsonl = open(path, "a")
             self.tb = SummaryWriter(logdir=str(run_dir), purge_step=start_step)
@@ -41,6 +41,18 @@ class MetricsLog:
             self.tb.close()
 
 
+def _records(path: Path) -> list[str]:
+    """The complete lines of a metrics file; a run killed mid-write may have left half of one."""
+    lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+    return [line for line in lines if line.endswith("\n") and _parses(line)]
+
+
+def _parses(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [json.loads(line) for line in _records(Path(run_dir) / "metrics.jsonl")]

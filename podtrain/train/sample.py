@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from podtrain import runtime
-from podtrain.config import MeshConfig, load_config, resolve_auto
+from podtrain.config import MeshConfig, resolve_auto, run_config
 from podtrain.data.text import decode, encode
-from podtrain.errors import CheckpointError, ConfigError
+from podtrain.errors import ConfigError
 from podtrain.models import task_of
 from podtrain.runtime.mesh import sharded_jit
-from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.checkpoint import Checkpointer, run_checkpoints
 from podtrain.train.state import ModelFns, model_fns
 
 
@@ -43,29 +42,17 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
     return decode(tokens[len(prompt_tokens) :])
 
 
-def run_checkpoints(run_dir: Path, checkpoint_dir: str | None) -> Path:
-    """Where a run's checkpoints are: RUN_DIR/checkpoints, wherever the run has been moved or
-    copied to, or the `checkpoint.dir` it was told to write elsewhere."""
-    inside = run_dir / "checkpoints"
-    if inside.is_dir() or not checkpoint_dir:
-        return inside
-    return Path(checkpoint_dir)
-
-
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0) -> str:
     """Sample from the latest checkpoint of a run (its EMA weights where it kept them), on this
     machine's devices with the params replicated."""
-    config_path = Path(run_dir) / "config.yaml"
-    if not config_path.is_file():
-        raise CheckpointError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
-    cfg = load_config(config_path)
+    cfg = run_config(run_dir)
     if task_of(cfg.model) != "text":
         raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate samples text from a language model (llama, mhc).")
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
     rt = runtime.start(cfg, announce=False)
     cfg = resolve_auto(cfg, rt.platform)
     fns = model_fns(cfg, rt.mesh)
-    checkpointer = Checkpointer(run_checkpoints(Path(run_dir), cfg.checkpoint.dir))
+    checkpointer = Checkpointer(run_checkpoints(run_dir, cfg))
     name = "ema" if cfg.train.ema else "params"
     params = checkpointer.restore({name: fns.abstract_params})[name]
     checkpointer.close()

@@ -1,0 +1,91 @@
+"""How long a checkpoint holds up training: async against synchronous saves, and the restore.
+
+Runs the same steps of a ~50M-parameter Llama three times in this process: without saving, with
+a synchronous save every K steps, and with an async save every K steps. A save's stall is the
+extra wall time of its run over the run without saves, per save; the restore is timed with its
+checksum verification. Ratios are the signal; absolute times on a shared machine are noise.
+
+    .venv/bin/python bench/checkpoint_stall.py [--steps 12] [--every 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from podtrain.config import load_config
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.digest import checksums
+from podtrain.train.loop import build
+
+MODEL = ["model.d_model=640", "model.n_layers=10", "model.n_heads=10", "model.n_kv_heads=10", "model.d_ff=1920", "model.max_seq_len=64"]
+TRAIN = ["train.seq_len=64", "train.batch_size=2", "model.compute_dtype=float32", "device_type=cpu"]
+
+
+def run(job, steps: int, every: int, checkpointer: Checkpointer | None) -> float:
+    """Wall seconds of `steps` steps from a new state (saving every `every` with `checkpointer`), until all is written."""
+    state = job.init_state(0)  # the step donates its input, so each run starts its own
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for i in range(steps):
+        state, _ = job.step(state, job.task.batches[i])
+        if checkpointer and (i + 1) % every == 0:
+            checkpointer.save(state)
+    jax.block_until_ready(state)
+    if checkpointer:
+        checkpointer.wait()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=3)
+    args = p.parse_args()
+    cfg = load_config(None, MODEL + TRAIN)
+    job = build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    state, _ = job.step(job.init_state(0), job.task.batches[0])  # compile outside the timings
+    saves = args.steps // args.every
+    gib = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in state.items() if k != "step"})) / 2**30
+    print(f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); {args.steps} steps, a save every {args.every}")
+
+    folder = Path(tempfile.mkdtemp(prefix="podtrain-stall-"))
+    try:
+        times = {"none": run(job, args.steps, args.every, None)}
+        for mode, async_save in (("sync", False), ("async", True)):
+            checkpointer = Checkpointer(folder / mode, keep=2, async_save=async_save)
+            times[mode] = run(job, args.steps, args.every, checkpointer)
+            checkpointer.close()
+        times["none again"] = run(job, args.steps, args.every, None)
+        base = (times["none"] + times["none again"]) / 2
+        step = base / args.steps
+        print(f"step without saving: {step * 1e3:.0f} ms (runs {times['none']:.2f} s and {times['none again']:.2f} s)")
+        for mode in ("sync", "async"):
+            stall = (times[mode] - base) / saves
+            print(f"{mode:>5} save: stall {stall * 1e3:7.0f} ms per save = {stall / step:5.2f} steps; {stall / args.every * 1e3:6.0f} ms per step")
+        sync, asynchronous = ((times[m] - base) / saves for m in ("sync", "async"))
+        print(f"async / sync stall: {asynchronous / sync:.2f}")
+
+        abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
+        checkpointer = Checkpointer(folder / "async")
+        start = time.perf_counter()
+        restored = checkpointer.restore(abstract)
+        jax.block_until_ready(restored)
+        restore = time.perf_counter() - start
+        start = time.perf_counter()
+        checksums({k: v for k, v in restored.items() if k != "step"})
+        verify = time.perf_counter() - start
+        checkpointer.close()
+        print(f"restore of step {int(restored['step'])}: {restore:.2f} s = {restore / step:.1f} steps, of which the checksums {verify:.2f} s ({verify / restore:.0%})")
+    finally:
+        shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()
