@@ -1,17 +1,18 @@
 """How long a checkpoint holds up training: async against synchronous saves, and the restore.
 
-Runs the same steps of a ~50M-parameter Llama three times in this process: without saving, with
-a synchronous save every K steps, and with an async save every K steps. A save's stall is the
-extra wall time of its run over the run without saves, per save; the restore is timed with its
-checksum verification. Ratios are the signal; absolute times on a shared machine are noise.
+Runs the same steps of a ~50M-parameter Llama in this process without saving, with a synchronous
+save every K steps, and with an async save every K steps, alternating the three. A save's stall
+is the extra wall time of its runs (median) over the runs without saves, per save; the restore
+is timed with its checksum verification. Ratios are the signal; absolute times on a shared machine are noise.
 
-    .venv/bin/python bench/checkpoint_stall.py [--steps 12] [--every 3]
+    .venv/bin/python bench/checkpoint_stall.py [--steps 12] [--every 3] [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     cfg = load_config(None, MODEL + TRAIN)
     job = build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
@@ -55,25 +57,30 @@ def main() -> None:
     gib = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in state.items() if k != "step"})) / 2**30
     print(f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); {args.steps} steps, a save every {args.every}")
 
+    checksums({k: v for k, v in state.items() if k != "step"})  # compile the checksums outside the timings too
+
     folder = Path(tempfile.mkdtemp(prefix="podtrain-stall-"))
     try:
-        times = {"none": run(job, args.steps, args.every, None)}
-        for mode, async_save in (("sync", False), ("async", True)):
-            checkpointer = Checkpointer(folder / mode, keep=2, async_save=async_save)
-            times[mode] = run(job, args.steps, args.every, checkpointer)
-            checkpointer.close()
-        times["none again"] = run(job, args.steps, args.every, None)
-        base = (times["none"] + times["none again"]) / 2
+        times = {"none": [], "sync": [], "async": []}
+        for repeat in range(args.repeats):  # alternated, so that drifts in the machine's speed hit all three
+            for mode in times:
+                checkpointer = Checkpointer(folder / f"{mode}{repeat}", keep=2, async_save=mode == "async") if mode != "none" else None
+                times[mode].append(run(job, args.steps, args.every, checkpointer))
+                if checkpointer:
+                    checkpointer.close()
+        base = statistics.median(times["none"])
         step = base / args.steps
-        print(f"step without saving: {step * 1e3:.0f} ms (runs {times['none']:.2f} s and {times['none again']:.2f} s)")
+        print(f"step without saving: {step * 1e3:.0f} ms (runs of {args.steps} steps: " + ", ".join(f"{t:.2f}" for t in times["none"]) + " s)")
+        stall = {mode: (statistics.median(times[mode]) - base) / saves for mode in ("sync", "async")}
         for mode in ("sync", "async"):
-            stall = (times[mode] - base) / saves
-            print(f"{mode:>5} save: stall {stall * 1e3:7.0f} ms per save = {stall / step:5.2f} steps; {stall / args.every * 1e3:6.0f} ms per step")
-        sync, asynchronous = ((times[m] - base) / saves for m in ("sync", "async"))
-        print(f"async / sync stall: {asynchronous / sync:.2f}")
+            print(f"{mode:>5} save: stall {stall[mode] * 1e3:6.0f} ms per save = {stall[mode] / step:5.2f} steps; {stall[mode] / args.every * 1e3:5.0f} ms per step (runs: " + ", ".join(f"{t:.2f}" for t in times[mode]) + " s)")
+        print(f"async / sync stall: {stall['async'] / stall['sync']:.2f}")
+        start = time.perf_counter()
+        checksums({k: v for k, v in state.items() if k != "step"})
+        print(f"checksums of the state, part of every save and restore: {(time.perf_counter() - start) * 1e3:.0f} ms")
 
         abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
-        checkpointer = Checkpointer(folder / "async")
+        checkpointer = Checkpointer(folder / "async0")
         start = time.perf_counter()
         restored = checkpointer.restore(abstract)
         jax.block_until_ready(restored)
