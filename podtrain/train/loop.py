@@ -201,8 +201,7 @@ def train(cfg: Config) -> dict:
                 progress.update(bar, completed=done)
                 if stop.reached(done) and done < t.steps:
                     if not saved:
-                        checkpointer.save(state)
-                    checkpointer.wait()
+                        checkpointer.save(state)  # written in full by close() below before the exit
                     raise Preempted(f"stopped after step {done} and saved its checkpoint in {cfg.checkpoint_dir}; run the same command again to continue.")
     finally:
         checkpointer.close()
