@@ -20,7 +20,7 @@ from podtrain.train.loop import build, train
 from podtrain.train.metrics import read_metrics
 
 STEPS = 30
-ARGS = [*SMALL, f"train.steps={STEPS}", "train.ema=0.9", "train.log_every=1", "checkpoint.every=3", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]
+ARGS = [*SMALL, f"train.steps={STEPS}", "train.ema=0.9", "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]
 
 
 def _listing(checkpoints) -> tuple[set[int], bool]:
@@ -29,16 +29,14 @@ def _listing(checkpoints) -> tuple[set[int], bool]:
     return {int(n) for n in names if n.isdigit()}, any("tmp" in n for n in names)
 
 
-def _run_until_killed(run, rng: random.Random) -> tuple[int | None, bool]:
-    """Run the job on the 8 devices of the reference and SIGKILL it at a random moment after it
-    has completed one or two new checkpoints, or let it finish.
+def _run(run, kill_after: int | None, delay: float) -> tuple[int | None, bool]:
+    """Run the job on the 8 devices of the reference; with `kill_after`, SIGKILL it `delay` s after
+    a checkpoint at or past that step is complete (often during the next save).
     Returns (its exit code, or None if killed; whether a save was under way at the kill)."""
-    before, _ = _listing(run / "checkpoints")
-    to_complete, delay = rng.randint(1, 2), rng.uniform(0, 0.3)
     with open(run.parent / "chaos.log", "a") as log:
         process = subprocess.Popen([sys.executable, "-m", "podtrain", "train", *ARGS, f"run_dir={run}"], env={**CLEAN_ENV, "XLA_FLAGS": os.environ["XLA_FLAGS"]}, stdout=log, stderr=subprocess.STDOUT)
     while process.poll() is None:
-        if len(_listing(run / "checkpoints")[0] - before) >= to_complete:
+        if kill_after is not None and max(_listing(run / "checkpoints")[0], default=0) >= kill_after:
             time.sleep(delay)
             saving = _listing(run / "checkpoints")[1]
             process.send_signal(signal.SIGKILL)
@@ -61,12 +59,12 @@ def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(tmp_path):
     train(cfg)
     chaos, rng = tmp_path / "chaos", random.Random(12)
     chaos.mkdir()
-    kills, kills_in_a_save, code = 0, 0, None
-    while code is None:
-        code, saving = _run_until_killed(chaos, rng)
-        kills, kills_in_a_save = kills + (code is None), kills_in_a_save + saving
+    kill_points = sorted(rng.sample(range(2, STEPS, 2), 6))  # checkpoint steps, one kill after each
+    outcomes = [_run(chaos, step, rng.uniform(0, 0.15)) for step in kill_points]
+    code, _ = _run(chaos, None, 0)
     assert code == 0, (tmp_path / "chaos.log").read_text()[-3000:]
-    print(f"{kills} kills, {kills_in_a_save} of them during a save")
+    kills, kills_in_a_save = sum(c is None for c, _ in outcomes), sum(saving for _, saving in outcomes)
+    print(f"{kills} kills, {kills_in_a_save} of them during a save, after checkpoints {kill_points}")
     assert kills >= 5 and kills_in_a_save >= 1, (kills, kills_in_a_save)
 
     reference, resumed = _state(tmp_path / "reference", cfg), _state(chaos, cfg)
