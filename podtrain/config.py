@@ -133,9 +133,16 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "pydoc"  # pydoc (the English docs every CPython ships) | text (data.path) | sudoku (data.path: `podtrain data sudoku --out DIR`)
+    # pydoc (the English docs every CPython ships) | text (a local corpus at data.path, tokenized in memory)
+    # | tokens (data.path: `podtrain data prepare --out DIR`) | sudoku (data.path: `podtrain data sudoku --out DIR`)
+    source: str = "pydoc"
     path: str | None = None
-    val_fraction: float = ranged(0.1, "(0, 1)")
+    tokenizer: str = "auto"  # auto (the shards' own for tokens, else bytes) | bytes | a folder with tokenizer.json | a hub model's name
+    pack: str = "concat"  # concat: documents joined by EOS into rows | documents: attention stays inside each document
+    val_fraction: float = ranged(0.1, "(0, 1)")  # in-memory text; prepared shards have their own split
+    dataset_name: str | None = None  # if set, the config of the hub dataset the shards must come from
+    workers: int = ranged(0, ">= 0")  # loader processes (grain); 0: threads of this process
+    prefetch: int = ranged(2, ">= 0")  # batches read ahead of the step
 
 
 @dataclass
@@ -180,7 +187,8 @@ CHOICES = {
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn"),
     "model.projection": ("sinkhorn", "permutations"),
-    "data.source": ("pydoc", "text", "sudoku"),
+    "data.source": ("pydoc", "text", "tokens", "sudoku"),
+    "data.pack": ("concat", "documents"),
 }
 
 # Flags from the setup guides, each an alias of one config key.
@@ -194,6 +202,10 @@ FLAG_ALIASES = {
     "--checkpoint-interval": "checkpoint.every",
     "--log-interval": "train.log_every",
     "--learning-rate": "train.lr",
+    "--dataset": "data.path",
+    "--dataset-name": "data.dataset_name",
+    "--tokenizer": "data.tokenizer",
+    "--worker-buffer-size": "data.prefetch",
 }
 
 MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
@@ -250,13 +262,12 @@ def mesh_from_env(environ=os.environ) -> list[str]:
     return overrides
 
 
-def _model_name(layers: list[Any]) -> str:
-    """The `model.name` the layers end on (llama if none sets it)."""
+def _select(layers: list[Any], key: str):
+    """The value `key` ends on in the layers, before any type checks (None if unset)."""
     try:
-        name = OmegaConf.select(OmegaConf.merge(*layers), "model.name", default="llama") if layers else "llama"
+        return OmegaConf.select(OmegaConf.merge(*layers), key, default=None) if layers else None
     except OmegaConfBaseException as e:
         raise ConfigError(f"Invalid config: {e.msg}") from None
-    return str(name)
 
 
 def _merge(defaults: Config, layers: list[Any]) -> Config:
@@ -300,14 +311,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
     except OmegaConfBaseException as e:
         raise ConfigError(f"Could not parse overrides: {e.msg}") from None
     check_structure(OmegaConf.to_container(layers[-1]), "the overrides")
-    defaults = default_config(_model_name(layers))
+    defaults = default_config(str(_select(layers, "model.name") or "llama"))
+    auto_vocab = _select(layers, "model.vocab_size") == "auto"
+    for layer in layers if auto_vocab else []:  # a placeholder until the data is known
+        if OmegaConf.select(layer, "model.vocab_size") == "auto":
+            OmegaConf.update(layer, "model.vocab_size", 1)
     if small_model:
         tiny = default_config().model
         sizes = [f"model.{k}={getattr(tiny, k)}" for k in SMALL_MODEL_KEYS if hasattr(defaults.model, k)]
         layers.insert(len(layers) - 1, OmegaConf.from_dotlist(sizes))
     cfg = _merge(defaults, layers)
+    if auto_vocab:
+        cfg.model.vocab_size = auto_vocab_size(cfg)
     validate(cfg)
     return cfg
+
+
+def auto_vocab_size(cfg: Config) -> int:
+    """`model.vocab_size=auto`: the data's tokenizer's vocabulary rounded up to a multiple of 128."""
+    from podtrain.data.text import data_tokenizer  # data reads configs; only this needs data
+    from podtrain.data.tokenizer import vocab_for
+
+    if cfg.data.source == "sudoku":
+        raise ConfigError("model.vocab_size=auto reads a tokenizer's vocabulary; Sudoku's is fixed (11), give it as a number.")
+    return vocab_for(data_tokenizer(cfg.data))
 
 
 def check_structure(data: dict, where: str) -> None:
@@ -338,8 +365,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
-    if cfg.data.source == "text" and not cfg.data.path:
-        raise ConfigError("data.source=text needs data.path=FILE_OR_DIR (a UTF-8 text file or a folder of .txt files).")
+    if cfg.data.source in ("text", "tokens") and not cfg.data.path:
+        folder = "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)" if cfg.data.source == "text" else "DIR, a folder made by `podtrain data prepare --out DIR`"
+        raise ConfigError(f"data.source={cfg.data.source} needs data.path={folder}.")
+    if cfg.data.source == "pydoc" and cfg.data.path:
+        raise ConfigError(f"data.path={cfg.data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens (shards from `podtrain data prepare`) or text (a local corpus).")
+    if cfg.data.pack == "documents" and cfg.model.attention == "cudnn":
+        raise ConfigError("data.pack=documents keeps attention inside documents with a mask, which model.attention=cudnn does not take; use model.attention=xla (or auto).")
     if cfg.data.source == "sudoku" and not cfg.data.path:
         raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
 
@@ -386,5 +418,5 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
         head_dim = m.d_model // m.n_heads
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
-        m.attention = "cudnn" if cudnn_ok else "xla"
+        m.attention = "cudnn" if cudnn_ok and cfg.data.pack != "documents" else "xla"
     return cfg

@@ -21,7 +21,7 @@ SEQ, ACCUM, MICRO, STEPS = 4, 2, 4, 3
 
 distributed.initialize(timeout=60)
 mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
-windows = train_windows(np.arange(1000, dtype=np.int32), SEQ, ACCUM * MICRO, seed=0)
+windows, _ = train_windows(np.arange(1000, dtype=np.int32), SEQ, ACCUM * MICRO, seed=0)
 reader = BatchReader(windows, batch_sharding(mesh, leading=1), (ACCUM, MICRO, SEQ + 1), axis=1)
 read = {}
 for step in range(STEPS):

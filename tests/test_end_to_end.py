@@ -8,6 +8,7 @@ import numpy as np
 
 from podtrain.cli import main
 from podtrain.config import MeshConfig, load_config
+from podtrain.data.tokenizer import ByteTokenizer
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
@@ -22,7 +23,7 @@ def expected_sample(checkpoints, prompt, n, seed):
     checkpointer = Checkpointer(checkpoints)
     params = checkpointer.restore({"params": fns.abstract_params})["params"]
     checkpointer.close()
-    text = sample(fns, params, prompt, n, 0.8, cfg.train.seq_len, seed)
+    text = sample(fns, params, ByteTokenizer(), prompt, n, 0.8, cfg.train.seq_len, seed)
     assert text  # n new bytes decode to at least one character
     return text
 

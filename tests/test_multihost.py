@@ -16,6 +16,9 @@ from conftest import SMALL
 from helpers import run_steps
 
 from podtrain.config import MeshConfig, load_config
+from podtrain.data.prepare import prepare
+from podtrain.data.sources import Corpus, pydoc_documents
+from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -62,22 +65,41 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     # what one device samples from the same weights.
     lines = done.stdout.splitlines()
     printed = lines[lines.index("[0] [podtrain] sample:") + 1].removeprefix("[0] ")
-    expected = "The " + sample(job.setup.fns, restored, "The ", 8, 0.8, cfg.train.seq_len, cfg.seed)
+    expected = "The " + sample(job.setup.fns, restored, ByteTokenizer(), "The ", 8, 0.8, cfg.train.seq_len, cfg.seed)
     assert printed == expected.splitlines()[0]
 
 
-def test_each_process_reads_its_own_rows(tmp_path):
-    """Over 3 steps of a (2,2,2) mesh on 2 processes: every window once, none twice, half each."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_each_process_reads_its_own_rows(tmp_path, nproc):
+    """Over 3 steps of a (2,2,2) mesh: every window once, none twice, an equal share each."""
     done = subprocess.run(
-        [sys.executable, "-m", "podtrain", "launch", "--nproc", "2", "--devices-per-proc", "4", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(TESTS / "multihost_data.py"), str(tmp_path)],
+        [sys.executable, "-m", "podtrain", "launch", "--nproc", str(nproc), "--devices-per-proc", str(8 // nproc), "--log-dir", str(tmp_path / "logs"), "--",
+         sys.executable, str(TESTS / "multihost_data.py"), str(tmp_path)],
         env=CLEAN_ENV, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    reads = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+    reads = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(nproc)]
     for step in map(str, range(3)):
-        ids = reads[0][step] + reads[1][step]
-        assert len(reads[0][step]) == len(reads[1][step]) == 4
-        assert sorted(ids) == list(range(int(step) * 8, int(step) * 8 + 8))
+        assert [len(r[step]) for r in reads] == [8 // nproc] * nproc
+        assert sorted(sum((r[step] for r in reads), [])) == list(range(int(step) * 8, int(step) * 8 + 8))
+
+
+def test_resume_on_another_process_count(tmp_path):
+    """Prepared tokens: 4 steps on 2 processes x 4 devices, resumed on 1 process for 4 more, log
+    the losses of 8 uninterrupted steps (a constant learning rate after warmup, so that the
+    schedule does not depend on train.steps)."""
+    tokens = tmp_path / "tokens"
+    fit_bpe(pydoc_documents()[:40], 300, tmp_path / "tok")
+    prepare(Corpus("pydoc"), load_tokenizer(str(tmp_path / "tok")), tokens, 0.05, shard_docs=16, quiet=True)
+    run = tmp_path / "run"
+    overrides = SMALL + ["data.source=tokens", f"data.path={tokens}", "model.vocab_size=384", "train.warmup_steps=2", "train.min_lr_ratio=1.0"]
+    args = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.every=2", f"run_dir={run}"]
+    first = podtrain("launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *overrides, *args, "train.steps=4", timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = podtrain("train", *overrides, *args, "train.steps=8", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600)
+    assert second.returncode == 0 and "resuming from step 4" in second.stdout and "process 0/1" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]
+    losses, _ = run_steps(overrides + ["train.steps=8"], n_devices=8, n_steps=8)
+    np.testing.assert_allclose([r["loss"] for r in read_metrics(run) if "loss" in r], losses, rtol=0, atol=1e-5)
 
 
 def test_launch_fails_fast_when_a_process_dies(tmp_path):

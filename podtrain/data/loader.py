@@ -1,14 +1,17 @@
 """Examples (windows of seq_len + 1 tokens, or puzzles), shuffled each epoch by grain, read per process, placed on the mesh.
 
 Datasets are random-access over examples: example i of batch b is b * examples_per_batch + i,
-so a resumed run reads exactly the batches it would have read without stopping, and each process
-reads only the rows its own devices hold. `jax.make_array_from_process_local_data` joins the
-processes' rows into one global batch.
+so a resumed run reads exactly the batches it would have read without stopping, on any number of
+processes, and each process reads only the rows its own devices hold. grain reads the batches
+ahead of the step, in threads or worker processes; `jax.make_array_from_process_local_data`
+joins the processes' rows into one global batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Iterator
 
 import grain
 import jax
@@ -42,12 +45,15 @@ def in_order(n: int, batch_size: int, max_batches: int, example) -> grain.MapDat
     return grain.MapDataset.range(min(max_batches, n // batch_size) * batch_size).map(example)
 
 
-def train_windows(tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> grain.MapDataset:
-    """Infinite random-access dataset of (seq_len + 1,) int32 windows, reshuffled every epoch."""
-    return shuffled(_count_windows(tokens, seq_len, batch_size, "train"), seed, _window(tokens, seq_len))
+def train_windows(tokens, seq_len: int, batch_size: int, seed: int) -> tuple[grain.MapDataset, int]:
+    """An infinite random-access dataset of (seq_len + 1,) int32 windows, reshuffled every epoch,
+    and the windows per epoch. Window i starts at token i * seq_len: packed end to end, each token
+    of an epoch is predicted once, but for the last partial window's."""
+    n = _count_windows(tokens, seq_len, batch_size, "train")
+    return shuffled(n, seed, _window(tokens, seq_len)), n
 
 
-def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int) -> grain.MapDataset:
+def eval_windows(tokens, seq_len: int, batch_size: int, max_batches: int) -> grain.MapDataset:
     """The consecutive windows of at most max_batches full batches."""
     return in_order(_count_windows(tokens, seq_len, batch_size, "validation"), batch_size, max_batches, _window(tokens, seq_len))
 
@@ -61,6 +67,22 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> 
     return np.arange(lo, hi)
 
 
+@dataclass(frozen=True)
+class LocalRows:
+    """Reads this process's rows of a batch; holds no devices, so loader workers can unpickle it."""
+
+    windows: grain.MapDataset
+    per_batch: int
+    offsets: np.ndarray  # of this process's rows within a batch
+
+    def ids(self, batch: int) -> np.ndarray:
+        return batch * self.per_batch + self.offsets
+
+    def __call__(self, batch: int) -> np.ndarray:
+        ids = self.ids(batch)
+        return np.stack([self.windows[int(i)] for i in ids.ravel()]).reshape(*ids.shape, -1)
+
+
 class BatchReader:
     """Global batches of `shape` from a windows dataset; dimension `axis` is split over data-parallel devices.
 
@@ -68,23 +90,19 @@ class BatchReader:
     only the rows along `axis` that its devices hold (every row where the batch is replicated).
     """
 
-    def __init__(self, windows: grain.MapDataset, sharding: NamedSharding, shape: tuple[int, ...], axis: int):
-        self.windows, self.sharding, self.shape = windows, sharding, tuple(shape)
+    def __init__(self, windows: grain.MapDataset, sharding: NamedSharding, shape: tuple[int, ...], axis: int, epoch_size: int | None = None):
+        self.windows, self.sharding, self.shape, self.epoch_size = windows, sharding, tuple(shape), epoch_size
         self.per_batch = math.prod(shape[: axis + 1])
         rows = process_rows(sharding, self.shape, axis)
         leading = np.arange(math.prod(shape[:axis]))[:, None] * shape[axis]
-        self.offsets = (leading + rows[None, :]).reshape(*shape[:axis], len(rows))
+        self.local = LocalRows(windows, self.per_batch, (leading + rows[None, :]).reshape(*shape[:axis], len(rows)))
 
     def __len__(self) -> int:
         return len(self.windows) // self.per_batch
 
     def ids(self, batch: int) -> np.ndarray:
         """Window ids this process reads for `batch`."""
-        return batch * self.per_batch + self.offsets
-
-    def local(self, batch: int) -> np.ndarray:
-        ids = self.ids(batch)
-        return np.stack([self.windows[int(i)] for i in ids.ravel()]).reshape(*ids.shape, -1)
+        return self.local.ids(batch)
 
     @property
     def abstract(self) -> jax.ShapeDtypeStruct:
@@ -92,4 +110,29 @@ class BatchReader:
         return jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
 
     def __getitem__(self, batch: int) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.sharding, self.local(batch), self.shape)
+        return self.place(self.local(batch))
+
+    def place(self, local: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.sharding, local, self.shape)
+
+    def epoch(self, batch: int) -> int:
+        """The epoch that batch `batch` is read in (the examples of its first row)."""
+        return batch * self.per_batch // self.epoch_size
+
+    def stream(self, start: int, stop: int, workers: int = 0, prefetch: int = 2) -> Iterator[jax.Array]:
+        """Batches start..stop-1, each read `prefetch` batches ahead of its use, by as many threads,
+        or by `workers` processes; the same batches as indexing, on any number of processes."""
+        local = grain.MapDataset.range(start, stop).map(self.local)
+        ahead = local.to_iter_dataset(grain.ReadOptions(num_threads=prefetch, prefetch_buffer_size=prefetch))
+        if workers:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # grain's workers read absl flags, which only a main() built on absl parses
+                flags.FLAGS.mark_as_parsed()
+            ahead = ahead.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, prefetch)))
+        reading = iter(ahead)
+        try:
+            for rows in reading:
+                yield self.place(rows)
+        finally:  # stops the threads or worker processes, also when the loop leaves early
+            reading.close()

@@ -1,4 +1,6 @@
-"""Text sources as byte tokens (vocabulary 256): the docs every CPython ships, or local files."""
+"""The text a language model trains on: the tokenizer a config names and the (train, val) tokens
+of its source: the docs every CPython ships or a local corpus, tokenized in memory, or shards
+prepared by `podtrain data prepare` (data.source=tokens), memory-mapped."""
 
 from __future__ import annotations
 
@@ -7,41 +9,61 @@ from pathlib import Path
 import numpy as np
 
 from podtrain.config import DataConfig
+from podtrain.data.sources import Corpus
+from podtrain.data.tokenizer import BYTES, load_tokenizer
+from podtrain.data.tokens import TokenStream, load_manifest
 from podtrain.errors import DataError
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer: a copy of the run's tokenizer, for generate and export
 
 
-def pydoc_text() -> str:
-    """About 465 KB of English: the topic help pages of `pydoc_data`, part of every CPython."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
-
-
-def read_text(path: str) -> str:
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-        if not files:
-            raise DataError(f"data.path={path} is a folder without text files ({', '.join(TEXT_SUFFIXES)}); point it at a file or a folder that has some.")
-        return "\n\n".join(f.read_text(errors="replace") for f in files)
-    if not p.is_file():
-        raise DataError(f"data.path={path} does not exist; give a UTF-8 text file or a folder of text files.")
-    return p.read_text(errors="replace")
+def data_tokenizer(cfg: DataConfig):
+    """data.tokenizer; `auto` is the shards' own tokenizer for data.source=tokens and bytes otherwise.
+    An explicit tokenizer must be the one the shards were made with."""
+    if cfg.source != "tokens":
+        return load_tokenizer(BYTES if cfg.tokenizer == "auto" else cfg.tokenizer)
+    manifest = load_manifest(cfg.path)
+    made_with = manifest["tokenizer"]
+    tokenizer = load_tokenizer(str(Path(cfg.path) / "tokenizer") if cfg.tokenizer == "auto" else cfg.tokenizer)
+    if tokenizer.identity != made_with["sha256"]:
+        raise DataError(
+            f"The shards in {cfg.path} were made with the tokenizer {made_with['spec']} (sha256 {made_with['sha256'][:12]}), "
+            f"not data.tokenizer={cfg.tokenizer} (sha256 {tokenizer.identity[:12]}). Leave data.tokenizer=auto to use theirs, or prepare the corpus with this tokenizer."
+        )
+    return tokenizer
 
 
-def load_tokens(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Byte tokens of the source, split into (train, val): the last val_fraction is validation."""
-    text = pydoc_text() if cfg.source == "pydoc" else read_text(cfg.path)
-    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+def run_tokenizer(run_dir: str | Path):
+    """The tokenizer a run trained with: its kept copy, or bytes."""
+    kept = Path(run_dir) / RUN_TOKENIZER
+    return load_tokenizer(str(kept) if kept.is_dir() else BYTES)
+
+
+def check_run_tokenizer(run_dir: str | Path, tokenizer) -> None:
+    """A resumed run must keep the tokenizer its embeddings were trained on."""
+    if (Path(run_dir) / "config.yaml").is_file() and (before := run_tokenizer(run_dir).identity) != tokenizer.identity:
+        raise DataError(
+            f"{run_dir} was trained with another tokenizer (sha256 {before[:12]}) than this data's ({tokenizer.spec}, {tokenizer.identity[:12]}); "
+            "its embeddings would read the wrong tokens. Use data prepared with the run's tokenizer, or a new run_dir."
+        )
+
+
+def load_tokens(cfg: DataConfig, tokenizer) -> tuple:
+    """(train, val) token sequences: numpy arrays, or TokenStreams of prepared shards. In-memory
+    text is split by position, the last val_fraction being validation; shards by document."""
+    if cfg.source == "tokens":
+        manifest = load_manifest(cfg.path)
+        if cfg.dataset_name and manifest["corpus"]["dataset_name"] != cfg.dataset_name:
+            raise DataError(f"The shards in {cfg.path} were prepared from {manifest['corpus']['input']} config {manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}.")
+        return TokenStream.of(cfg.path, manifest, "train"), TokenStream.of(cfg.path, manifest, "val")
+    if cfg.source == "text" and not Path(cfg.path).exists():
+        raise DataError(f"data.path={cfg.path} does not exist; give a corpus file or folder (.txt, .md, .jsonl, .json, .parquet).")
+    text = "\n\n".join(Corpus("pydoc" if cfg.source == "pydoc" else cfg.path).documents())
+    tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
     n_val = int(len(tokens) * cfg.val_fraction)
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
 
 
-def decode(tokens) -> str:
-    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
-
-
-def encode(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+def max_token_id(cfg: DataConfig, tokenizer) -> int:
+    """The largest token id the data can hold: the shards' recorded maximum, or the tokenizer's."""
+    return load_manifest(cfg.path)["max_id"] if cfg.source == "tokens" else tokenizer.vocab_size - 1

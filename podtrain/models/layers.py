@@ -60,6 +60,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """(batch, 1, seq, seq): True where query and key are in the same segment (document)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate (batch, seq, heads, head_dim) by position, in the half-split layout of Llama."""
     cos, sin = (t[None, :, None, :] for t in rope)
@@ -80,9 +85,11 @@ class Attention(nnx.Module):
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
-    def __call__(self, x_BTD: jax.Array, rope) -> jax.Array:
-        """Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
-        tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
+    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None) -> jax.Array:
+        """`mask` (batch, 1, seq, seq), True where a query may attend to a key, narrows the causal
+        mask (to keep packed documents apart). Megatron's layout: q, k, v column-parallel and the
+        output row-parallel over heads, so that tensor parallelism costs one all-reduce of
+        (batch, seq, d_model) forward and one backward."""
         wq, wk, wv = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
         d, n_heads, head_dim = wq.shape
         n_kv, kv_axes = wk.shape[1], KV_HEADS
@@ -99,7 +106,7 @@ class Attention(nnx.Module):
         q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
         k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = constrain(jax.nn.dot_product_attention(q, k, v, is_causal=self.causal, implementation=self.implementation), HEADS)
+        out = constrain(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=self.implementation), HEADS)
         return constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(self.dtype)), ACT)
 
 

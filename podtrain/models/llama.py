@@ -11,7 +11,7 @@ from flax import nnx
 
 from podtrain.config import ModelConfig, ranged
 from podtrain.errors import ConfigError
-from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
+from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, document_mask, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
 from podtrain.runtime.mesh import constrain
 
 
@@ -38,20 +38,21 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
 
-    def attention_branch(self, x: jax.Array, rope) -> jax.Array:
-        return self.attn(self.attn_norm(x), rope)
+    def attention_branch(self, x: jax.Array, rope, mask) -> jax.Array:
+        return self.attn(self.attn_norm(x), rope, mask)
 
     def mlp_branch(self, x: jax.Array) -> jax.Array:
         return self.mlp(self.mlp_norm(x))
 
-    def __call__(self, x: jax.Array, rope) -> jax.Array:
+    def __call__(self, x: jax.Array, rope, mask) -> jax.Array:
         x = constrain(x, ACT)
-        x = constrain(x + self.attention_branch(x, rope), ACT)
+        x = constrain(x + self.attention_branch(x, rope, mask), ACT)
         return constrain(x + self.mlp_branch(x), ACT)
 
 
 class Llama(nnx.Module):
-    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32.
+    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32. With segment_ids (batch, seq),
+    a token attends only to earlier tokens of its own segment (packed documents stay apart).
 
     Subclasses change the residual stream through `block`, `widen` and `narrow`.
     """
@@ -66,13 +67,14 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.compute_dtype)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         x = embed_tokens(table, tokens).astype(dtype)
         rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
-        x = self.narrow(scan_layers(self.layers, self.widen(x), rope, remat=cfg.remat, unroll=cfg.scan_unroll))
+        mask = None if segment_ids is None else document_mask(segment_ids)
+        x = self.narrow(scan_layers(self.layers, self.widen(x), rope, mask, remat=cfg.remat, unroll=cfg.scan_unroll))
         head = table.T if cfg.tie_embeddings else constrain(self.head[...], HEAD)
         return output_head(self.norm(x), head, dtype)
 

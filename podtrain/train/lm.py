@@ -1,6 +1,8 @@
-"""Language modelling: next-token loss on windows of byte-level text, validation loss, a sample at the end."""
+"""Language modelling: next-token loss on windows of packed documents, validation loss, a sample at the end."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +10,11 @@ from jax.sharding import Mesh
 
 from podtrain.config import Config
 from podtrain.data.loader import BatchReader, eval_windows, train_windows
-from podtrain.data.text import load_tokens
+from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
 from podtrain.train.sample import sample
 from podtrain.train.step import batch_sharding
 from podtrain.train.task import Task
-
-BYTE_VOCAB = 256
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -26,13 +26,23 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return (jax.nn.logsumexp(logits, axis=-1) - target_logit).mean()
 
 
-def next_token_loss(model, carry, tokens: jax.Array, key):
-    """The mean cross entropy of predicting each token of windows (batch, seq + 1) from those before it."""
-    return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]), (carry, {})
+def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
+    """Per token, the count of EOS tokens before it: a document's EOS ends that document, and the
+    token after it starts the next one."""
+    is_eos = (tokens == eos_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def validation_loss(model, tokens: jax.Array) -> dict:
-    return {"val_loss": next_token_loss(model, None, tokens, None)[0]}
+def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None):
+    """The mean cross entropy of predicting each token of windows (batch, seq + 1) from those
+    before it; with `eos_id`, only from those of its own document (data.pack=documents)."""
+    inputs = tokens[:, :-1]
+    logits = model(inputs) if eos_id is None else model(inputs, segment_ids=document_ids(inputs, eos_id))
+    return cross_entropy(logits, tokens[:, 1:]), (carry, {})
+
+
+def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict:
+    return {"val_loss": next_token_loss(model, None, tokens, None, eos_id)[0]}
 
 
 class LanguageTask(Task):
@@ -42,14 +52,24 @@ class LanguageTask(Task):
     def __init__(self, cfg: Config, mesh: Mesh):
         t = cfg.train
         if cfg.data.source == "sudoku":
-            raise ConfigError(f"data.source=sudoku holds puzzles for model.name=hrm or trm, not text for model.name={cfg.model.name}; use data.source=pydoc or text.")
-        if cfg.model.vocab_size < BYTE_VOCAB:
-            raise DataError(f"Byte-level text has token ids up to {BYTE_VOCAB - 1}, out of range for model.vocab_size={cfg.model.vocab_size}; set model.vocab_size>={BYTE_VOCAB}.")
-        train_tokens, val_tokens = load_tokens(cfg.data)
+            raise ConfigError(f"data.source=sudoku holds puzzles for model.name=hrm or trm, not text for model.name={cfg.model.name}; use data.source=pydoc, text or tokens.")
+        self.tokenizer = data_tokenizer(cfg.data)
+        largest = max_token_id(cfg.data, self.tokenizer)
+        if cfg.model.vocab_size <= largest:
+            raise DataError(
+                f"The data holds token ids up to {largest} (tokenizer {self.tokenizer.spec}), out of range for model.vocab_size={cfg.model.vocab_size}; "
+                f"set model.vocab_size=auto or a number above {largest}."
+            )
+        if cfg.data.pack == "documents":
+            if self.tokenizer.eos_id is None:
+                raise ConfigError(f"data.pack=documents finds documents by their EOS token, which the tokenizer {self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one.")
+            self.loss_fn, self.eval_fn = partial(next_token_loss, eos_id=self.tokenizer.eos_id), partial(validation_loss, eos_id=self.tokenizer.eos_id)
+        train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
         self.cfg = cfg
-        self.summary = f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens"
+        windows, n = train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed)
+        self.summary = f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); an epoch is {n // t.batch_size:,} steps"
         micro = t.batch_size // t.grad_accum
-        self.batches = BatchReader(train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed), batch_sharding(mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1)
+        self.batches = BatchReader(windows, batch_sharding(mesh, leading=1), (t.grad_accum, micro, t.seq_len + 1), axis=1, epoch_size=n)
         self.eval_batches = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(mesh), (t.batch_size, t.seq_len + 1), axis=0)
         self.positions = t.seq_len
 
@@ -58,4 +78,4 @@ class LanguageTask(Task):
         t = self.cfg.train
         if not t.sample_tokens:
             return None
-        return "The " + sample(fns, params, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
+        return "The " + sample(fns, params, self.tokenizer, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -13,6 +14,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
 from podtrain.config import Config, default_config, differences, resolve_auto, save_config
+from podtrain.data.text import RUN_TOKENIZER, check_run_tokenizer
+from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from podtrain.models import flops_per_token, task_of
 from podtrain.runtime.mesh import data_parallel_size, sharded_jit
@@ -134,6 +137,8 @@ def train(cfg: Config) -> dict:
     run_dir = Path(cfg.run_dir)
     job = build(cfg, rt.mesh)
     task = job.task
+    if task.tokenizer is not None:
+        check_run_tokenizer(run_dir, task.tokenizer)
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     state = resume(job, checkpointer, cfg, console.print)
@@ -141,6 +146,8 @@ def train(cfg: Config) -> dict:
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        if task.tokenizer is not None and task.tokenizer.file:
+            keep_tokenizer(task.tokenizer, run_dir / RUN_TOKENIZER)
     console.print(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
         f"{task.summary}; "
@@ -159,12 +166,13 @@ def train(cfg: Config) -> dict:
     last: dict = {"step": start}
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
-        with Progress(*columns, console=console, disable=not rt.is_main) as progress, StopRequests() as stop:
+        batches = task.batches.stream(start, t.steps, cfg.data.workers, cfg.data.prefetch)
+        with Progress(*columns, console=console, disable=not rt.is_main) as progress, StopRequests() as stop, closing(batches):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
             bad_run, previous = 0, None  # consecutive skipped updates; the last step's flag, read one step late to keep dispatch ahead
-            for step in range(start, t.steps):
-                state, metrics = job.step(state, task.batches[step])
+            for step, batch in zip(range(start, t.steps), batches):
+                state, metrics = job.step(state, batch)
                 done = step + 1
                 if previous is not None:
                     bad_run = bad_run + 1 if bool(previous) else 0
@@ -181,12 +189,12 @@ def train(cfg: Config) -> dict:
                 if _due(done, t.log_every, t.steps):
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - clock) / (done - window_start) if done > window_start else None
-                    last = {"step": done, **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
+                    last = {"step": done, "epoch": task.batches.epoch(step), **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
                     tps, mfu = last["tokens_per_sec"], last["mfu"]
                     log.write(last)
                     status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
                     progress.update(bar, status=status)
-                    progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else ""))
+                    progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else "") + f"  epoch {last['epoch']}")
                     window_start, clock = done, time.perf_counter()
                 evaluated, saved = _due(done, t.eval_every, t.steps), _due(done, cfg.checkpoint.every, t.steps)
                 if evaluated:

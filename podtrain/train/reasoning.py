@@ -142,7 +142,7 @@ class PuzzleTask(Task):
         self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
         train_rows, test_rows = train_set.rows(), test_set.rows()
         slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
-        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1)
+        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1, epoch_size=len(train_rows))
         self.eval_batches = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
         self.positions = CELLS
 

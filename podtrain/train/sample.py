@@ -1,4 +1,4 @@
-"""Sampling text from a trained byte-level model: after training, and from a run directory."""
+"""Sampling text from a trained language model: after training, and from a run directory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from podtrain import runtime
 from podtrain.config import MeshConfig, resolve_auto, run_config
-from podtrain.data.text import decode, encode
+from podtrain.data.text import run_tokenizer
 from podtrain.errors import ConfigError
 from podtrain.models import task_of
 from podtrain.runtime.mesh import sharded_jit
@@ -18,7 +18,7 @@ from podtrain.train.checkpoint import Checkpointer, run_checkpoints
 from podtrain.train.state import ModelFns, model_fns
 
 
-def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature: float, window: int, seed: int = 0) -> str:
+def sample(fns: ModelFns, params, tokenizer, prompt: str, max_new_tokens: int, temperature: float, window: int, seed: int = 0) -> str:
     """Continue `prompt` token by token. The context is a fixed-size window padded on the right,
     so one compiled forward pass serves every position (causal attention ignores the padding)."""
 
@@ -30,8 +30,8 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
 
     next_token = sharded_jit(next_token, fns.mesh)
 
-    prompt_tokens = encode(prompt)
-    tokens = list(prompt_tokens) or [ord("\n")]
+    prompt_tokens = tokenizer.encode(prompt)
+    tokens = list(prompt_tokens) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n"))
     key = jax.random.key(seed)
     for _ in range(max_new_tokens):
         context = tokens[-window:]
@@ -39,12 +39,12 @@ def sample(fns: ModelFns, params, prompt: str, max_new_tokens: int, temperature:
         buf[: len(context)] = context
         key, sub = jax.random.split(key)
         tokens.append(int(next_token(params, buf, len(context), sub)))
-    return decode(tokens[len(prompt_tokens) :])
+    return tokenizer.decode(tokens[len(prompt_tokens) :])
 
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0) -> str:
-    """Sample from the latest checkpoint of a run (its EMA weights where it kept them), on this
-    machine's devices with the params replicated."""
+    """Sample from the latest checkpoint of a run (its EMA weights where it kept them) with the
+    run's tokenizer, on this machine's devices with the params replicated."""
     cfg = run_config(run_dir)
     if task_of(cfg.model) != "text":
         raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate samples text from a language model (llama, mhc).")
@@ -56,4 +56,4 @@ def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperatur
     name = "ema" if cfg.train.ema else "params"
     params = checkpointer.restore({name: fns.abstract_params})[name]
     checkpointer.close()
-    return sample(fns, params, prompt, max_new_tokens, temperature, cfg.train.seq_len, seed)
+    return sample(fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.train.seq_len, seed)

@@ -20,6 +20,7 @@ class Task:
     batches       the train batches, (grad_accum, microbatch, ...), indexed by step
     eval_batches  the evaluation batches, (batch, ...)
     positions     the positions (tokens, cells) one example trains, for tokens/s and MFU
+    tokenizer     text tasks: the tokenizer of the data, which the run keeps a copy of; else None
     carry         what the step keeps per example from one step to the next, as abstract arrays
                   laid out like `batches` ({name: jax.ShapeDtypeStruct}), or None
     """
@@ -35,6 +36,7 @@ class Task:
     batches: BatchReader
     eval_batches: BatchReader
     positions: int
+    tokenizer: Any = None
     carry: dict | None = None
 
     def initial_carry(self) -> dict | None:

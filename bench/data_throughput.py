@@ -1,0 +1,97 @@
+"""Is loading ever the bottleneck? The loader's tokens/s alone next to the train step's, and prepare's.
+
+Fits a byte-level BPE on the pydoc corpus, prepares `--copies` copies of it into shards (timing
+prepare), then for the tiny recipe (16 x 256 tokens) and the 1B recipe's batch (8 x 2048) reads
+batches through the loader alone (grain threads, then worker processes, each batch placed on the
+devices as the loop does), and times the tiny recipe's train step on batches already on the device.
+A 1.1B-parameter step does not fit this machine's memory with AdamW, so next to its loader rate
+stands the rate one H100 would consume at 50% MFU (6N FLOPs per token at 989 TFLOP/s).
+
+    .venv/bin/python bench/data_throughput.py [--copies 40] [--batches 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from podtrain.config import load_config, resolve_auto
+from podtrain.data.prepare import prepare
+from podtrain.data.sources import Corpus, pydoc_documents
+from podtrain.data.tokenizer import fit_bpe
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.lm import LanguageTask
+from podtrain.train.loop import build
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+H100_STEP_TOKENS = 0.5 * 989e12 / (6 * 1.1e9)  # tokens/s of a 1.1B step at 50% MFU
+
+
+@dataclass(frozen=True)
+class Repeated(Corpus):
+    """The pydoc documents `copies` times: a corpus big enough to time."""
+
+    copies: int = 1
+
+    def documents(self):
+        for _ in range(self.copies):
+            yield from pydoc_documents()
+
+
+def loader_rate(task, batches: int, workers: int, prefetch: int) -> float:
+    """Tokens/s of reading `batches` global batches (after the first) onto the devices."""
+    stream = task.batches.stream(0, batches + 1, workers, prefetch)
+    jax.block_until_ready(next(stream))  # leave thread and worker start-up out
+    start = time.perf_counter()
+    for batch in stream:
+        jax.block_until_ready(batch)
+    batch_tokens = task.batches.shape[0] * task.batches.shape[1] * (task.batches.shape[2] - 1)
+    return batches * batch_tokens / (time.perf_counter() - start)
+
+
+def step_rate(cfg, mesh, steps: int) -> float:
+    """Tokens/s of the train step alone, its batches read beforehand."""
+    job = build(cfg, mesh)
+    batches = [job.task.batches[i] for i in range(steps + 1)]
+    state = job.init_state(cfg.seed)
+    state, _ = job.step(state, batches[0])
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for batch in batches[1:]:
+        state, _ = job.step(state, batch)
+    jax.block_until_ready(state)
+    return steps * job.tokens_per_step / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--copies", type=int, default=40, help="copies of the pydoc corpus to prepare (40: about 6M tokens)")
+    p.add_argument("--batches", type=int, default=40)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="podtrain-data-bench-"))
+    tokenizer = fit_bpe(pydoc_documents(), 4096, work / "tok")
+    manifest = prepare(Repeated("pydoc", copies=args.copies), tokenizer, work / "tokens", 0.05, shard_docs=500, quiet=True)
+    print(f"prepare: {manifest['documents']:,} documents, {manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s")
+
+    data = ["data.source=tokens", f"data.path={work / 'tokens'}"]
+    for recipe, extra in (("tiny.yaml", ["model.vocab_size=4096"]), ("llama_1b.yaml", [])):
+        cfg = resolve_auto(load_config(CONFIGS / recipe, data + extra + ["device_type=cpu"]), "cpu")
+        mesh = build_mesh(cfg.mesh, jax.devices())
+        task = LanguageTask(cfg, mesh)
+        rates = {f"workers={w}": loader_rate(task, args.batches, w, prefetch=2) for w in (0, 2)}
+        if recipe == "tiny.yaml":
+            step, label = step_rate(cfg, mesh, args.steps), "train step (measured)"
+        else:
+            step, label = H100_STEP_TOKENS, "H100 step at 50% MFU (computed)"
+        loader = "  ".join(f"{k}: {v:,.0f} tokens/s" for k, v in rates.items())
+        print(f"{recipe:14} batch {cfg.train.batch_size} x {cfg.train.seq_len}: loader {loader}  |  {label}: {step:,.0f} tokens/s  |  loader/step {max(rates.values()) / step:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

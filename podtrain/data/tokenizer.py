@@ -1,0 +1,141 @@
+"""Tokenizers: `bytes` (the UTF-8 bytes, vocabulary 256), or a Hugging Face `tokenizer.json` from a
+local folder or the hub, run by the `tokenizers` library (a file of rules: no code is executed).
+
+A tokenizer's identity is the sha256 of its `tokenizer.json`, so shards and runs can tell whether
+they were made with the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from podtrain.errors import DataError
+
+BYTES = "bytes"
+EOS = "<|endoftext|>"  # the end-of-document token of fitted tokenizers (as GPT-2's and SmolLM's)
+EOS_NAMES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+VOCAB_MULTIPLE = 128  # `model.vocab_size=auto` rounds up to this, for even shards and fast matmuls
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: no file, no end-of-document token."""
+
+    spec, identity, vocab_size, eos_id, file = BYTES, BYTES, 256, None, None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (with the `tokenizer_config.json` beside it naming the EOS token, if any)."""
+
+    def __init__(self, spec: str, file: Path):
+        from tokenizers import Tokenizer
+
+        self.spec, self.file = spec, file
+        self.identity = hashlib.sha256(file.read_bytes()).hexdigest()
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
+            raise DataError(f"{file} is not a tokenizer.json the `tokenizers` library reads ({e}); give a folder saved by a Hugging Face tokenizer.") from None
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._eos_id(file.parent / "tokenizer_config.json")
+
+    def _eos_id(self, config: Path) -> int | None:
+        names = list(EOS_NAMES)
+        if config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token")
+            names.insert(0, eos.get("content") if isinstance(eos, dict) else eos)
+        return next((self.tokenizer.token_to_id(n) for n in names if n and self.tokenizer.token_to_id(n) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encoded in parallel by the library's thread pool (RAYON_NUM_THREADS threads)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str):
+    """`bytes`, a folder holding tokenizer.json, a tokenizer.json file, or a hub model's name."""
+    if spec == BYTES:
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise DataError(f"The tokenizer folder {spec} has no tokenizer.json; fit one with `podtrain data tokenizer` or give a Hugging Face model's folder or name.")
+        return HFTokenizer(spec, path / "tokenizer.json")
+    if path.is_file():
+        return HFTokenizer(spec, path)
+    return HFTokenizer(spec, _from_hub(spec))
+
+
+def _from_hub(name: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        file = Path(hf_hub_download(name, "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - not found, gated and offline are all "cannot get it"
+        raise DataError(
+            f"Could not get the tokenizer `{name}`: it is not a local path, and from the Hugging Face hub: {type(e).__name__}. "
+            "Check the name (e.g. HuggingFaceTB/SmolLM-360M), that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with tokenizer.json."
+        ) from None
+    try:  # optional: it names the EOS token
+        hf_hub_download(name, "tokenizer_config.json")
+    except Exception:  # noqa: BLE001
+        pass
+    return file
+
+
+def keep_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
+    """A copy of a tokenizer's files in `folder`, which `load_tokenizer(folder)` loads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer.file, folder / "tokenizer.json")
+    config = tokenizer.file.parent / "tokenizer_config.json"
+    if config.is_file():
+        shutil.copyfile(config, folder / config.name)
+
+
+def vocab_for(tokenizer) -> int:
+    """`model.vocab_size=auto`: the tokenizer's vocabulary rounded up to a multiple of 128."""
+    return math.ceil(tokenizer.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's scheme: every byte is a token, so any text encodes) fitted on
+    `documents`, saved as OUT/tokenizer.json with a tokenizer_config.json that
+    `transformers.AutoTokenizer` reads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(f"--vocab-size {vocab_size} is below the {len(alphabet)} byte tokens plus {EOS}; give at least {len(alphabet) + 1}.")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=alphabet, show_progress=False)
+    documents = iter(documents)
+    first = next(documents, None)
+    if first is None:
+        raise DataError("The corpus has no documents to fit a tokenizer on; check --input.")
+    tokenizer.train_from_iterator(itertools.chain([first], documents), trainer)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "model_max_length": 1 << 20}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return HFTokenizer(str(out), out / "tokenizer.json")

@@ -1,0 +1,81 @@
+"""Prepared token shards, as `podtrain data prepare` writes them and training reads them.
+
+DIR/manifest.json       what the shards hold: the tokenizer's identity, counts, the source
+DIR/tokenizer/          a copy of the tokenizer, so the folder is self-contained
+DIR/train-NNNNN.npy     the tokens of each training document followed by EOS, uint16 or uint32
+DIR/val-NNNNN.npy       the same for the validation documents of that shard
+
+Plain `.npy` files are memory-mapped: a window is a slice, read by random access without
+loading a shard, and any process count can read any rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from podtrain.errors import DataError
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+def shard_file(folder: Path, split: str, index: int) -> Path:
+    return folder / f"{split}-{index:05d}.npy"
+
+
+def load_manifest(path: str | Path) -> dict:
+    folder = Path(path)
+    file = folder / MANIFEST
+    if not file.is_file():
+        unfinished = " It holds shards of a prepare that did not finish: rerun that `podtrain data prepare` command to complete it." if (folder / "prepare.json").is_file() else ""
+        raise DataError(
+            f"data.path={path} is not a folder of prepared tokens (no {MANIFEST}).{unfinished} "
+            f"Make one with `podtrain data prepare --input CORPUS --tokenizer TOKENIZER --out DIR` (CORPUS may be a hub dataset such as HuggingFaceTB/smollm-corpus "
+            "with --dataset-name cosmopedia-v2), then train with data.source=tokens data.path=DIR."
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{file} has format {manifest.get('format')}, not {FORMAT}; prepare the corpus again with this version of podtrain.")
+    return manifest
+
+
+class TokenStream:
+    """The tokens of one split of prepared shards as one sequence: its length and slices of it.
+    Shards are opened lazily, so the stream pickles as its file names (for loader workers)."""
+
+    def __init__(self, files: list[Path], sizes: list[int]):
+        self.files, self.ends = [str(f) for f in files], np.cumsum([0, *sizes])
+        self._arrays = None
+
+    @classmethod
+    def of(cls, folder: str | Path, manifest: dict, split: str) -> TokenStream:
+        shards = [s for s in manifest["shards"] if s[f"{split}_tokens"]]
+        return cls([shard_file(Path(folder), split, s["index"]) for s in shards], [s[f"{split}_tokens"] for s in shards])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_arrays": None}
+
+    def __len__(self) -> int:
+        return int(self.ends[-1])
+
+    def _shards(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            try:
+                self._arrays = [np.load(f, mmap_mode="r") for f in self.files]
+            except (OSError, ValueError) as e:
+                raise DataError(f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder.") from None
+        return self._arrays
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(len(self))
+        shards, pieces = self._shards(), []
+        first = int(np.searchsorted(self.ends, start, side="right")) - 1
+        for i in range(first, len(shards)):
+            if self.ends[i] >= stop:
+                break
+            lo, hi = max(start, self.ends[i]) - self.ends[i], min(stop, self.ends[i + 1]) - self.ends[i]
+            pieces.append(shards[i][lo:hi])
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
