@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, generate, checkpoints, plot, doctor, launch, data."""
+"""The `podtrain` command: train, generate, convert, checkpoints, plot, doctor, launch, data."""
 
 from __future__ import annotations
 
@@ -85,7 +85,24 @@ def _launch(args) -> int:
 def _generate(args) -> None:
     from podtrain.train.sample import generate_from_run
 
-    print(args.prompt + generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    temperature = 0.0 if args.greedy else args.temperature
+    print(args.prompt + generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, temperature, args.seed, cache=not args.no_cache))
+
+
+def _convert(args) -> None:
+    from podtrain.tools.convert import export_hf, import_hf
+
+    if args.from_hf:
+        source, run_dir = args.from_hf
+        cfg, seconds = import_hf(source, run_dir, args.overrides)
+        print(f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
+              f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, sample with `podtrain generate {run_dir}`.")
+    else:
+        if args.overrides:
+            raise ConfigError(f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides.")
+        run_dir, out = args.to_hf
+        files = export_hf(run_dir, out, args.dtype)
+        print(f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with transformers.AutoModelForCausalLM.from_pretrained({out!r}).")
 
 
 def _checkpoints(args) -> None:
@@ -199,7 +216,22 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole window for every token instead of keeping a key/value cache (slower; for comparison)")
     g.set_defaults(func=_generate)
+
+    cv = sub.add_parser(
+        "convert",
+        help="import a Hugging Face Llama checkpoint as a run directory, or export a run to one",
+        description="--from-hf SRC RUN_DIR [key=value ...]: SRC is a folder with config.json and *.safetensors or a hub name; "
+        "RUN_DIR gets config.yaml, the tokenizer and a step-0 checkpoint of the weights. --to-hf RUN_DIR OUT_DIR: what transformers' from_pretrained loads.",
+    )
+    way = cv.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", nargs=2, metavar=("SRC", "RUN_DIR"))
+    way.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT_DIR"))
+    cv.add_argument("--dtype", default="bfloat16", help="dtype of the exported weights: bfloat16 (default), float16 or float32")
+    cv.add_argument("overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)")
+    cv.set_defaults(func=_convert)
 
     c = sub.add_parser("checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies")
     c.add_argument("run_dir")
@@ -213,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("train", "generate", "checkpoints", "plot", "doctor", "launch", "data")
+COMMANDS = ("train", "generate", "convert", "checkpoints", "plot", "doctor", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

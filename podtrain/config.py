@@ -104,6 +104,7 @@ class TrainConfig:
     beta2: float = ranged(0.95, "[0, 1)")
     grad_clip: float = ranged(1.0, ">= 0")  # 0: off
     grad_accum: int = ranged(1, ">= 1")
+    init_from: str = ""  # start from these weights (a podtrain run_dir, or a Hugging Face Llama folder or hub name) with a fresh optimizer
     ema: float = ranged(0.0, "[0, 1)")  # decay of an exponential moving average of the weights (e.g. 0.999); 0 for none
     log_every: int = ranged(20, ">= 1")
     eval_every: int = ranged(100, ">= 0")  # 0: only after the last step
@@ -186,6 +187,7 @@ CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn"),
+    "model.rope_scaling": ("none", "llama3"),
     "model.projection": ("sinkhorn", "permutations"),
     "data.source": ("pydoc", "text", "tokens", "sudoku"),
     "data.pack": ("concat", "documents"),

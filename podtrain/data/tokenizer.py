@@ -103,6 +103,8 @@ def _from_hub(name: str) -> Path:
 
 def keep_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
     """A copy of a tokenizer's files in `folder`, which `load_tokenizer(folder)` loads."""
+    if folder.resolve() == tokenizer.file.parent.resolve():
+        return  # a run that trains with the tokenizer it keeps (one `convert` made)
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tokenizer.file, folder / "tokenizer.json")
     config = tokenizer.file.parent / "tokenizer_config.json"

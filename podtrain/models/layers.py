@@ -53,10 +53,18 @@ class RMSNorm(nnx.Module):
         return (rms_norm(x, self.eps) * self.scale[...]).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of shape (seq_len, head_dim // 2) for rotary position embeddings."""
+def rope_tables(positions, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of shape (len(positions), head_dim // 2) for rotary position embeddings at
+    `positions` (an int n: 0..n-1). `llama3` = (factor, low_freq_factor, high_freq_factor,
+    original_max_len) stretches the long wavelengths as Llama 3 does for its longer context."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    if llama3 is not None:
+        factor, low, high, original = llama3
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = jnp.clip((original / wavelen - low) / (high - low), 0.0, 1.0)  # 0 beyond original / low, 1 below original / high
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    positions = jnp.arange(positions) if isinstance(positions, int) else positions
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -85,17 +93,14 @@ class Attention(nnx.Module):
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
-    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None) -> jax.Array:
-        """`mask` (batch, 1, seq, seq), True where a query may attend to a key, narrows the causal
-        mask (to keep packed documents apart). Megatron's layout: q, k, v column-parallel and the
-        output row-parallel over heads, so that tensor parallelism costs one all-reduce of
-        (batch, seq, d_model) forward and one backward."""
+    def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
+        cannot split evenly get a copy per query head, so that q, k and v share one sharding
+        (cuDNN's attention requires it; copying replicated weights is local)."""
         wq, wk, wv = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
         d, n_heads, head_dim = wq.shape
         n_kv, kv_axes = wk.shape[1], KV_HEADS
-        if n_kv % shards("act_heads", n_heads):
-            # K/V heads that the head shards cannot split evenly get a copy per query head, so that q, k
-            # and v share one sharding (cuDNN's attention requires it); copying replicated weights is local.
+        if share_kv and n_kv % shards("act_heads", n_heads):
             wk, wv = (jnp.repeat(w, n_heads // n_kv, axis=1) for w in (wk, wv))
             n_kv, kv_axes = n_heads, HEADS
         group = n_heads // n_kv
@@ -105,9 +110,29 @@ class Attention(nnx.Module):
         qkv = constrain(jnp.einsum("btd,dngh->btngh", x_BTD, w_qkv), (*kv_axes[:3], None, "act_head_dim"))
         q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
         k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = constrain(jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=self.implementation), HEADS)
-        return constrain(jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(self.dtype)), ACT)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def output(self, out_BTNH: jax.Array) -> jax.Array:
+        return constrain(jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype)), ACT)
+
+    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None) -> jax.Array:
+        """`mask` (batch, 1, seq, seq), True where a query may attend to a key, narrows the causal
+        mask (to keep packed documents apart). Megatron's layout: q, k, v column-parallel and the
+        output row-parallel over heads, so that tensor parallelism costs one all-reduce of
+        (batch, seq, d_model) forward and one backward."""
+        q, k, v = self.project(x_BTD, rope)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=self.implementation)
+        return self.output(constrain(out, HEADS))
+
+    def decode(self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the tokens x at positions start.. to themselves and everything before them,
+        whose keys and values `cache` (batch, length, kv_heads, head_dim) holds; x's are written into
+        it. Positions after the last written one are masked, whatever the cache holds there."""
+        q, k, v = self.project(x_BTD, rope, share_kv=False)
+        cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v)))
+        mask = jnp.arange(cache[0].shape[1])[None, :] <= start + jnp.arange(x_BTD.shape[1])[:, None]
+        out = jax.nn.dot_product_attention(q, *cache, mask=mask[None, None], implementation="xla")
+        return self.output(out), cache
 
 
 class SwiGLU(nnx.Module):

@@ -22,6 +22,11 @@ class LlamaConfig(ModelConfig):
     n_kv_heads: int = ranged(2, ">= 1")  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
     tie_embeddings: bool = True  # the output head is the embedding table, transposed
     init_std: float = ranged(0.02, "> 0")  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
+    rope_scaling: str = "none"  # none | llama3: Llama 3's stretch of the long rotary wavelengths, with the four keys below
+    rope_factor: float = ranged(8.0, ">= 1")
+    rope_low_freq_factor: float = ranged(1.0, "> 0")
+    rope_high_freq_factor: float = ranged(4.0, "> 0")
+    rope_original_max_len: int = ranged(8192, ">= 1")  # the context length the model was pretrained at before the stretch
 
     def validate(self) -> None:
         super().validate()
@@ -38,16 +43,29 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
 
-    def attention_branch(self, x: jax.Array, rope, mask) -> jax.Array:
-        return self.attn(self.attn_norm(x), rope, mask)
+    def __call__(self, x: jax.Array, rope, mask) -> jax.Array:
+        return self.residual(x, lambda h: self.attn(self.attn_norm(h), rope, mask))
+
+    def decode(self, x: jax.Array, rope, cache, start) -> tuple[jax.Array, tuple]:
+        """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
+        updated = []
+
+        def attend(h):
+            out, new = self.attn.decode(self.attn_norm(h), rope, cache, start)
+            updated.append(new)
+            return out
+
+        return self.residual(x, attend), updated[0]
+
+    def residual(self, x: jax.Array, attend) -> jax.Array:
+        """The residual stream through attention (`attend` of a normed copy, masked as the caller
+        needs) and the MLP; subclasses change how branches read and write the stream."""
+        x = constrain(x, ACT)
+        x = constrain(x + attend(x), ACT)
+        return constrain(x + self.mlp_branch(x), ACT)
 
     def mlp_branch(self, x: jax.Array) -> jax.Array:
         return self.mlp(self.mlp_norm(x))
-
-    def __call__(self, x: jax.Array, rope, mask) -> jax.Array:
-        x = constrain(x, ACT)
-        x = constrain(x + self.attention_branch(x, rope, mask), ACT)
-        return constrain(x + self.mlp_branch(x), ACT)
 
 
 class Llama(nnx.Module):
@@ -68,15 +86,44 @@ class Llama(nnx.Module):
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        cfg = self.cfg
-        dtype = jnp.dtype(cfg.compute_dtype)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
-        x = embed_tokens(table, tokens).astype(dtype)
-        rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        rope = self.rope(tokens.shape[1])
         mask = None if segment_ids is None else document_mask(segment_ids)
-        x = self.narrow(scan_layers(self.layers, self.widen(x), rope, mask, remat=cfg.remat, unroll=cfg.scan_unroll))
-        head = table.T if cfg.tie_embeddings else constrain(self.head[...], HEAD)
-        return output_head(self.norm(x), head, dtype)
+        x = scan_layers(self.layers, self.widen(self.embedded(table, tokens)), rope, mask, remat=self.cfg.remat, unroll=self.cfg.scan_unroll)
+        return self.logits(table, self.narrow(x))
+
+    def decode(self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Logits of `tokens` (batch, n) at positions start..start+n-1, attending to the keys and
+        values of earlier positions in `cache` (from `init_cache`); returns the cache with theirs
+        added. A prompt is one call (prefill), then each new token one call of n=1."""
+        table = constrain(self.embed[...], TABLE)
+        rope = self.rope(start + jnp.arange(tokens.shape[1]))
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, layer):
+            layer_state, layer_cache = layer
+            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start)
+
+        x, cache = jax.lax.scan(body, self.widen(self.embedded(table, tokens)), (state, cache))
+        return self.logits(table, self.narrow(x)), cache
+
+    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """Empty keys and values for `length` positions: (layers, batch, length, kv_heads, head_dim) each."""
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.d_model // cfg.n_heads)
+        return jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype)
+
+    def embedded(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return embed_tokens(table, tokens).astype(self.cfg.compute_dtype)
+
+    def rope(self, positions) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        llama3 = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None
+        return rope_tables(positions, cfg.d_model // cfg.n_heads, cfg.rope_theta, llama3)
+
+    def logits(self, table: jax.Array, x: jax.Array) -> jax.Array:
+        head = table.T if self.cfg.tie_embeddings else constrain(self.head[...], HEAD)
+        return output_head(self.norm(x), head, jnp.dtype(self.cfg.compute_dtype))
 
     def widen(self, x: jax.Array) -> jax.Array:
         """The embedded tokens as the residual state the blocks carry."""

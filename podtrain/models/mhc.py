@@ -120,8 +120,8 @@ class MhcBlock(llama.Block):
         self.attn_mix = StreamMixer(cfg, rngs)
         self.mlp_mix = StreamMixer(cfg, rngs)
 
-    def __call__(self, streams: jax.Array, rope, mask) -> jax.Array:
-        streams = self.attn_mix(constrain(streams, STREAMS), lambda x: self.attention_branch(x, rope, mask))
+    def residual(self, streams: jax.Array, attend) -> jax.Array:
+        streams = self.attn_mix(constrain(streams, STREAMS), attend)
         return self.mlp_mix(streams, self.mlp_branch)
 
 

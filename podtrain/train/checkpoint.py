@@ -152,6 +152,22 @@ class Checkpointer:
             raise CheckpointError(f"No intact checkpoint in {self.directory} ({listing}). Nothing was renamed or deleted; move them away to start afresh, or use a new run_dir.")
         raise CheckpointError(f"No checkpoint in {self.directory}; train first (podtrain train ... run_dir=...).")
 
+    def holds(self, step: int, item: str) -> bool:
+        """Whether `step` saved `item` (e.g. "opt": a training state, not weights alone); a step
+        whose metadata cannot be read says yes, so that its restore reports the damage."""
+        try:
+            return self.manager.item_metadata(step).get(item) is not None
+        except Exception:  # noqa: BLE001 - reported by the restore that follows
+            return True
+
+    def restore_weights(self, abstract_params):
+        """The newest intact step's weights onto `abstract_params`: its EMA where it kept one."""
+        step = self.latest_step()
+        if step is None:
+            raise CheckpointError(f"No checkpoint in {self.directory}; train first (podtrain train ... run_dir=...).")
+        name = "ema" if self.holds(step, "ema") else "params"
+        return self.restore({name: abstract_params})[name]
+
     def _set_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:
             for step in steps:

@@ -13,14 +13,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import runtime
-from podtrain.config import Config, default_config, differences, resolve_auto, save_config
+from podtrain.config import Config, default_config, differences, resolve_auto, run_config, save_config
 from podtrain.data.text import RUN_TOKENIZER, check_run_tokenizer
 from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from podtrain.models import flops_per_token, task_of
 from podtrain.runtime.mesh import data_parallel_size, sharded_jit
-from podtrain.train import optim
-from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer
+from podtrain.train import hf, optim
+from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer, run_checkpoints
 from podtrain.train.lm import LanguageTask
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
@@ -62,8 +62,8 @@ class Job:
     tokens_per_step: int
     flops_per_step: float
 
-    def init_state(self, seed: int) -> dict:
-        state = init_state(self.setup, seed)
+    def init_state(self, seed: int, params=None) -> dict:
+        state = init_state(self.setup, seed, params)
         return state if self.task.carry is None else {**state, "carry": self.task.initial_carry()}
 
     def evaluate(self, params) -> dict:
@@ -91,16 +91,45 @@ def compile_step(cfg: Config, mesh):
 
 
 def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
-    """The state of the run's newest intact checkpoint (damaged newer ones set aside), or a new one."""
-    if checkpointer.latest_step() is None:
-        return job.init_state(cfg.seed)
-    try:
-        return checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"}, set_aside=True, say=say)
-    except CheckpointMismatch as e:
-        saved = Path(cfg.run_dir) / "config.yaml"
-        changed = [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
-        why = f" The run's config.yaml differs from this config in: {'; '.join(changed)}." if changed else ""
-        raise CheckpointError(f"{e}{why} Resume with the config the run was trained with, or use a new run_dir.") from None
+    """The state of the run's newest intact checkpoint (damaged newer ones set aside); from weights
+    alone (a checkpoint `convert` wrote, or train.init_from) a fresh optimizer; else a new state."""
+    latest = checkpointer.latest_step()
+    if latest is not None and checkpointer.holds(latest, "opt"):
+        try:
+            return checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"}, set_aside=True, say=say)
+        except CheckpointMismatch as e:
+            saved = Path(cfg.run_dir) / "config.yaml"
+            changed = [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
+            why = f" The run's config.yaml differs from this config in: {'; '.join(changed)}." if changed else ""
+            raise CheckpointError(f"{e}{why} Resume with the config the run was trained with, or use a new run_dir.") from None
+    abstract = job.setup.fns.abstract_params
+    if latest is not None:
+        say(f"[podtrain] starting from the weights of step {latest} in {cfg.checkpoint_dir}, with a fresh optimizer")
+        return job.init_state(cfg.seed, checkpointer.restore({"params": abstract}, say=say)["params"])
+    if cfg.train.init_from:
+        say(f"[podtrain] starting from the weights of {cfg.train.init_from}, with a fresh optimizer")
+        return job.init_state(cfg.seed, initial_weights(cfg.train.init_from, abstract, cfg))
+    return job.init_state(cfg.seed)
+
+
+def initial_weights(source: str, abstract_params, cfg: Config):
+    """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
+    a Hugging Face Llama checkpoint (a folder or a hub name), checked against this config's sizes."""
+    if (Path(source) / "config.yaml").is_file():
+        checkpointer = Checkpointer(run_checkpoints(source, run_config(source)))
+        try:
+            return checkpointer.restore_weights(abstract_params)
+        except CheckpointMismatch as e:
+            changed = [d for d in differences(Path(source) / "config.yaml", cfg) if d.startswith("model.")]
+            raise CheckpointError(f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; give this run the same model keys.") from None
+        finally:
+            checkpointer.close()
+    folder = hf.hf_folder(source)
+    keys = hf.model_keys(hf.read_hf_config(folder), source)
+    changed = hf.shape_differences(keys, cfg.model) if cfg.model.name == "llama" else [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
+    if changed:
+        raise ConfigError(f"train.init_from={source} is a Llama of other sizes: {'; '.join(changed)}. Give this run its model keys (the config.yaml `podtrain convert --from-hf` writes has them).")
+    return hf.read_params(folder, abstract_params, source)
 
 
 def divergence_hint(cfg: Config, latest: int | None) -> str:

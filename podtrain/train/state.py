@@ -87,8 +87,9 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     return TrainSetup(fns, tx, state)
 
 
-def init_state(setup: TrainSetup, seed: int) -> dict:
-    params = setup.fns.init(jax.random.key(seed))
+def init_state(setup: TrainSetup, seed: int, params=None) -> dict:
+    """Step 0: `params` (random from `seed` if None) with a fresh optimizer."""
+    params = setup.fns.init(jax.random.key(seed)) if params is None else params
     opt = jax.jit(setup.tx.init, out_shardings=shardings_of(setup.abstract_state["opt"]))(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), setup.abstract_state["step"].sharding)
     state = {"step": step, "params": params, "opt": opt}

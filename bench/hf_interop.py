@@ -1,0 +1,176 @@
+"""Hugging Face interop: the import's peak memory against loading the checkpoint whole, and
+generation's tokens/s with the key/value cache against recomputing the window.
+
+convert: writes a random bf16 Llama checkpoint of `--preset` (TinyLlama-1.1B's shape by default)
+with its config.json, then in fresh processes, one after the other, (a) `podtrain convert
+--from-hf` and (b) the naive reference: `safetensors.numpy.load_file` of the whole checkpoint,
+then the same params placed on the device from it. Each reports its wall time and peak RSS.
+
+generate: a random model of SmolLM-135M's shape generates `--tokens` tokens greedily with the cache
+and `--tokens-no-cache` without it (the window of `--window` positions recomputed per token),
+after one warm-up call each that compiles; tokens/s and the ratio.
+
+    .venv/bin/python bench/hf_interop.py convert [--preset 1b]
+    .venv/bin/python bench/hf_interop.py generate [--window 512 --tokens 300 --tokens-no-cache 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {  # (d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, tied)
+    "1b": (2048, 22, 32, 4, 5632, 32000, False),  # TinyLlama-1.1B
+    "360m": (960, 32, 15, 5, 2560, 49152, True),  # SmolLM-360M
+    "135m": (576, 30, 9, 3, 1536, 49152, True),  # SmolLM-135M
+    "tiny": (64, 2, 4, 2, 128, 256, False),  # for a quick look
+}
+
+
+def model_config(preset: str, max_seq_len: int = 2048):
+    from podtrain.config import load_config
+
+    d, layers, heads, kv, ff, vocab, tied = PRESETS[preset]
+    keys = dict(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, d_ff=ff, vocab_size=vocab, tie_embeddings=tied, max_seq_len=max_seq_len)
+    return load_config(None, [f"model.{k}={v}" for k, v in keys.items()] + [f"train.seq_len={min(256, max_seq_len)}", "mesh.data=1", "model.compute_dtype=float32"])
+
+
+def write_checkpoint(preset: str, folder: Path) -> dict:
+    """A random bf16 LlamaForCausalLM checkpoint in `folder`, tensor by tensor from podtrain's map."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from podtrain.train.hf import TENSORS, _hf_shape, hf_config
+
+    cfg = model_config(preset).model
+    d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
+    shapes = {  # podtrain's shape of one layer's (or the model's) array
+        "embed": (cfg.vocab_size, d), "head": (d, cfg.vocab_size), "norm/scale": (d,),
+        "layers/attn/wq": (d, cfg.n_heads, hd), "layers/attn/wk": (d, cfg.n_kv_heads, hd), "layers/attn/wv": (d, cfg.n_kv_heads, hd),
+        "layers/attn/wo": (cfg.n_heads, hd, d), "layers/attn_norm/scale": (d,), "layers/mlp_norm/scale": (d,),
+        "layers/mlp/w_gate": (d, cfg.d_ff), "layers/mlp/w_up": (d, cfg.d_ff), "layers/mlp/w_down": (cfg.d_ff, d),
+    }
+    rng, tensors = np.random.default_rng(0), {}
+    for path, (name, in_axes) in TENSORS.items():
+        if path == "head" and cfg.tie_embeddings:
+            continue
+        for i in range(cfg.n_layers if path.startswith("layers/") else 1):
+            tensors[name.format(i=i)] = (0.02 * rng.standard_normal(_hf_shape(shapes[path], in_axes), np.float32)).astype(ml_dtypes.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg, None, "bfloat16")))
+    sizes = [t.size for t in tensors.values()]
+    return {"params": sum(sizes), "largest_tensor_fp32_bytes": 4 * max(sizes)}
+
+
+def child(argv: list[str]) -> dict:
+    """Run a phase in a fresh process; its wall time and the peak RSS it reports on its last line."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
+    return {"seconds": time.perf_counter() - start, "peak_rss_bytes": int(out.split()[-1])}
+
+
+def naive_load(folder: str) -> None:
+    """The reference: every tensor in memory first, then placed as podtrain's params."""
+    import jax
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from podtrain import runtime
+    from podtrain.config import load_config, resolve_auto
+    from podtrain.train.hf import TENSORS, _names, model_keys
+    from podtrain.train.state import model_fns
+
+    keys = model_keys(json.loads((Path(folder) / "config.json").read_text()), folder)
+    cfg = load_config(None, [f"model.{k}={v}" for k, v in keys.items()] + ["train.seq_len=256", "mesh.data=1"])
+    rt = runtime.start(cfg, announce=False)
+    fns = model_fns(resolve_auto(cfg, rt.platform), rt.mesh)
+    everything = load_file(Path(folder) / "model.safetensors")
+    flat = {}
+    for path, (_, in_axes) in TENSORS.items():
+        if path == "head" and cfg.model.tie_embeddings:
+            continue
+        stacked = [everything[name].astype(np.float32) for name in _names(path, cfg.model.n_layers)]
+        arrays = [(t.T if in_axes else t) for t in stacked]
+        flat[path] = jax.device_put(np.stack(arrays) if path.startswith("layers/") else arrays[0])
+    jax.block_until_ready(list(flat.values()))
+    assert len(flat) == len(jax.tree.leaves(fns.abstract_params))
+
+
+def convert(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "hf"
+        sizes = write_checkpoint(args.preset, folder)
+        fp32 = 4 * sizes["params"]
+        print(f"{args.preset}: {sizes['params'] / 1e9:.2f}B params, {fp32 / 2**30:.2f} GiB in float32, largest tensor {sizes['largest_tensor_fp32_bytes'] / 2**20:.0f} MiB in float32")
+        baseline = child(["_baseline"])
+        ours = child(["_import", str(folder), str(Path(tmp) / "run")])
+        naive = child(["_naive", str(folder)])
+        for name, r in (("jax + podtrain imported (baseline)", baseline), ("podtrain convert --from-hf", ours), ("load_file whole, then place", naive)):
+            print(f"{name:38s} {r['seconds']:7.1f} s   peak RSS {r['peak_rss_bytes'] / 2**30:6.2f} GiB   above the float32 model {(r['peak_rss_bytes'] - fp32) / 2**30:+6.2f} GiB")
+        print(f"peak RSS ratio, podtrain/naive: {ours['peak_rss_bytes'] / naive['peak_rss_bytes']:.2f}")
+
+
+def generate(args) -> None:
+    import jax
+
+    from podtrain.runtime.mesh import build_mesh
+    from podtrain.train.sample import cached_tokens, window_tokens
+    from podtrain.train.state import model_fns
+
+    cfg = model_config("135m", args.window)
+    fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    params = fns.init(jax.random.key(0))
+    prompt = list(range(1, 17))
+    rates = {}
+    for name, fn, n in (("KV cache", cached_tokens, args.tokens), ("no cache", window_tokens, args.tokens_no_cache)):
+        start = time.perf_counter()
+        fn(fns, params, prompt, 2, 0.0, args.window, 0)  # compiles
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fn(fns, params, prompt, n, 0.0, args.window, 0)
+        rates[name] = n / (time.perf_counter() - start)
+        print(f"{name:9s} {n:4d} tokens: {rates[name]:8.2f} tokens/s (first call with compile {compile_s:.1f} s)")
+    print(f"ratio KV cache / no cache: {rates['KV cache'] / rates['no cache']:.1f}x  (135M shape, window {args.window}, {jax.devices()[0].platform})")
+
+
+def phase(name: str, argv: list[str]) -> None:
+    if name == "_baseline":
+        import jax
+
+        import podtrain.train.hf  # noqa: F401
+
+        jax.devices()
+    elif name == "_import":
+        from podtrain.cli import main as podtrain
+
+        assert podtrain(["convert", "--from-hf", *argv, "mesh.data=1"]) == 0
+    else:
+        naive_load(*argv)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def main() -> None:
+    if sys.argv[1].startswith("_"):
+        return phase(sys.argv[1], sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="part", required=True)
+    c = sub.add_parser("convert")
+    c.add_argument("--preset", default="1b", choices=PRESETS)
+    g = sub.add_parser("generate")
+    g.add_argument("--window", type=int, default=512)
+    g.add_argument("--tokens", type=int, default=300)
+    g.add_argument("--tokens-no-cache", type=int, default=20)
+    args = p.parse_args()
+    convert(args) if args.part == "convert" else generate(args)
+
+
+if __name__ == "__main__":
+    main()

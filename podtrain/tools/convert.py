@@ -1,0 +1,69 @@
+"""`podtrain convert`: a Hugging Face Llama checkpoint into a podtrain run directory, and back."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from podtrain import runtime
+from podtrain.config import Config, default_config, load_config, resolve_auto, save_config
+from podtrain.data.text import RUN_TOKENIZER, run_tokenizer
+from podtrain.data.tokenizer import keep_tokenizer, load_tokenizer
+from podtrain.errors import ConfigError
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.hf import hf_config, hf_folder, model_keys, read_hf_config, read_params, write_params
+from podtrain.train.sample import run_model
+from podtrain.train.state import model_fns
+
+
+def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, float]:
+    """RUN_DIR/config.yaml with the checkpoint's model keys (and `overrides`), its tokenizer in
+    RUN_DIR/tokenizer, and its weights as a step-0 checkpoint of weights alone, which `train`
+    fine-tunes with a fresh optimizer and `generate` samples from. Returns the config and the
+    seconds spent reading the weights."""
+    folder = hf_folder(source)
+    run = Path(run_dir)
+    if (run / "checkpoints").exists() or (run / "config.yaml").exists():
+        raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
+    has_tokenizer = (folder / "tokenizer.json").is_file()
+    keys = model_keys(read_hf_config(folder), source)
+    seq_len = min(default_config("llama").train.seq_len, keys["max_seq_len"])  # the default, where the model's positions allow it
+    tokenizer = [f"data.tokenizer={(run / RUN_TOKENIZER).resolve()}"] if has_tokenizer else []
+    cfg = load_config(None, [*(f"model.{k}={v}" for k, v in keys.items()), f"train.seq_len={seq_len}", *tokenizer, f"run_dir={run_dir}", *overrides])
+    rt = runtime.start(cfg, announce=False)
+    fns = model_fns(resolve_auto(cfg, rt.platform), rt.mesh)
+    start = time.perf_counter()
+    params = read_params(folder, fns.abstract_params, source)
+    seconds = time.perf_counter() - start
+    if rt.is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run / "config.yaml")  # `auto` precision kept: resolved on the machine that trains
+        if has_tokenizer:
+            keep_tokenizer(load_tokenizer(str(folder)), run / RUN_TOKENIZER)
+    checkpointer = Checkpointer(cfg.checkpoint_dir, async_save=False)
+    checkpointer.save({"step": jnp.int32(0), "params": params})
+    checkpointer.close()
+    return cfg, seconds
+
+
+def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
+    """OUT_DIR with config.json, generation_config.json, the weights (the EMA where the run kept
+    one) as safetensors in `dtype`, and the run's tokenizer files when it used a Hugging Face
+    tokenizer: what `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads."""
+    cfg, _, params = run_model(run_dir)
+    if cfg.model.name != "llama":
+        raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture (LlamaForCausalLM) to export to.")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = run_tokenizer(run_dir)
+    files = write_params(params, out, dtype)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
+    if tokenizer.file:
+        keep_tokenizer(tokenizer, out)
+    return files

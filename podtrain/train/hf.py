@@ -1,0 +1,261 @@
+"""Hugging Face Llama checkpoints (`LlamaForCausalLM` in safetensors): their config as podtrain's
+model keys, their tensors read straight onto a mesh, and podtrain weights written back.
+
+Reading streams: the files are memory-mapped and each device's shard of a parameter is cut from
+one source tensor at a time (`jax.make_array_from_callback`), so the host never holds the model.
+Nothing is unpickled or executed: `.bin` checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from podtrain.errors import CheckpointError, ConfigError
+from podtrain.train.digest import leaf_name
+
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size: larger exports are sharded with an index
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", INDEX, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+# podtrain parameter -> (Hugging Face tensor, axes of the podtrain array that are the input side of
+# torch's (out, in) Linear weight, which is stored transposed; 0: stored as is). {i} is the layer.
+TENSORS = {
+    "embed": ("model.embed_tokens.weight", 0),
+    "head": ("lm_head.weight", 1),
+    "norm/scale": ("model.norm.weight", 0),
+    "layers/attn/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
+    "layers/attn/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
+    "layers/attn/wv": ("model.layers.{i}.self_attn.v_proj.weight", 1),
+    "layers/attn/wo": ("model.layers.{i}.self_attn.o_proj.weight", 2),
+    "layers/attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", 0),
+    "layers/mlp/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", 1),
+    "layers/mlp/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
+    "layers/mlp/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
+    "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", 0),
+}
+IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
+SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
+ROPE_SCALING_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor", "rope_original_max_len": "original_max_position_embeddings"}
+UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}  # what podtrain's Llama computes
+
+
+def model_keys(hf: dict, where: str) -> dict:
+    """The `model.*` keys of podtrain's Llama for a transformers LlamaConfig (config.json),
+    refusing any option it does not compute, by name."""
+    if hf.get("model_type") != "llama":
+        kind = hf.get("model_type") or (hf.get("architectures") or ["an unknown architecture"])[0]
+        raise ConfigError(f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type llama: Llama, SmolLM, TinyLlama).")
+    for key, value in UNSUPPORTED.items():
+        if hf.get(key, value) != value:
+            raise ConfigError(f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so this checkpoint cannot be converted.")
+    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, d_model // n_heads):
+        raise ConfigError(f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / num_attention_heads = {d_model // n_heads}.")
+    # transformers >= 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
+    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    keys = {
+        "name": "llama",
+        "vocab_size": hf["vocab_size"],
+        "d_model": d_model,
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "d_ff": hf["intermediate_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "rope_scaling": "none",
+    }
+    if kind == "llama3":
+        keys |= {"rope_scaling": kind, **{ours: rope[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
+    elif kind != "default":
+        raise ConfigError(f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary embedding and Llama 3's (`llama3`).")
+    return keys
+
+
+def hf_config(model, eos_id: int | None, dtype: str) -> dict:
+    """config.json of `LlamaForCausalLM` for podtrain's Llama config `model`; the rotary settings in
+    the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
+    scaling = {"rope_type": model.rope_scaling, **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()}} if model.rope_scaling != "none" else None
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads,
+        "head_dim": model.d_model // model.n_heads,
+        "intermediate_size": model.d_ff,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": model.max_seq_len,
+        "tie_word_embeddings": model.tie_embeddings,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+        **UNSUPPORTED,
+    }
+
+
+def shape_differences(keys: dict, model) -> list[str]:
+    """The layer sizes in which an HF config's keys and a podtrain model config differ."""
+    return [f"model.{k} ({keys[k]} there, {getattr(model, k)} here)" for k in SHAPE_KEYS if keys[k] != getattr(model, k)]
+
+
+def hf_folder(source: str) -> Path:
+    """A local folder with config.json and safetensors, or a hub model's files fetched into the HF cache."""
+    path = Path(source)
+    if not path.is_dir():
+        if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+            raise ConfigError(f"{source} is neither a folder with a Hugging Face checkpoint (config.json and *.safetensors) nor a hub model name like HuggingFaceTB/SmolLM-135M.")
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(source, allow_patterns=HUB_FILES))
+        except Exception as e:  # noqa: BLE001 - not found, gated and offline are all "cannot get it"
+            raise ConfigError(
+                f"Could not get the model `{source}` from the Hugging Face hub: {type(e).__name__}. "
+                "Check the name, that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with config.json and *.safetensors."
+            ) from None
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json; give the folder of a Hugging Face model (config.json and *.safetensors).")
+    return path
+
+
+def read_hf_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+class SafeTensors:
+    """A checkpoint's tensors by name across its safetensors files (one, or an index and shards),
+    memory-mapped, each read when asked for."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        if (folder / INDEX).is_file():
+            where = {name: folder / file for name, file in json.loads((folder / INDEX).read_text())["weight_map"].items()}
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            if not files:
+                hint = f"; its {', '.join(pickles)} are pickles, which podtrain never loads (they can run code). Convert them first, e.g. `transformers` save_pretrained(..., safe_serialization=True)" if pickles else ""
+                raise CheckpointError(f"{folder} has no *.safetensors files{hint}.")
+            where = {}
+            for file in files:
+                with safe_open(file, "numpy") as f:
+                    where |= dict.fromkeys(f.keys(), file)
+        self._stack = ExitStack()
+        self._files = {file: self._stack.enter_context(safe_open(file, "numpy")) for file in sorted(set(where.values()))}
+        self.where = where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self.where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._files[self.where[name]].get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
+    """A podtrain array's shape as torch stores it: (out, in) for a Linear weight."""
+    return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
+
+
+def _names(path: str, n_layers: int) -> list[str]:
+    name = TENSORS[path][0]
+    return [name.format(i=i) for i in range(n_layers)] if path.startswith("layers/") else [name]
+
+
+def read_params(folder: Path, abstract_params, where: str):
+    """The params of `abstract_params` (ShapeDtypeStructs with shardings) from an HF checkpoint,
+    each device's shard cut from one source tensor at a time and cast to the param's dtype."""
+    tensors = SafeTensors(folder)
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+        paths = [leaf_name(p) for p, _ in leaves]
+        n_layers = next(x.shape[0] for p, x in zip(paths, jax.tree.leaves(abstract_params)) if p.startswith("layers/"))
+        wanted = {name for p in paths for name in _names(p, n_layers)}
+        missing = sorted(wanted - set(tensors.where), key=len)
+        tied_copy = {"lm_head.weight"} if "head" not in paths else set()  # some tied exports keep a copy
+        extra = sorted(n for n in set(tensors.where) - wanted - tied_copy if not n.endswith(IGNORED))
+        if missing or extra:
+            listing = (f"it lacks {', '.join(missing[:3])}" if missing else "") + ("; " if missing and extra else "") + (f"it has tensors podtrain's Llama has no place for: {', '.join(extra[:3])}" if extra else "")
+            raise CheckpointError(f"{where} does not hold the tensors of this Llama config: {listing}.")
+        arrays = []
+        for path, (_, leaf) in zip(paths, leaves):
+            in_axes = TENSORS[path][1]
+            names = _names(path, n_layers)
+            stacked = path.startswith("layers/")
+            one = leaf.shape[1:] if stacked else leaf.shape
+            for name in names:
+                if tensors.shape(name) != _hf_shape(one, in_axes):
+                    raise CheckpointError(f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one, in_axes))}.")
+
+            def podtrain_layout(name, one=one, in_axes=in_axes, dtype=leaf.dtype):
+                t = tensors.get(name)
+                return (t.T if in_axes else t).reshape(one).astype(dtype)
+
+            def shard(index, names=names, stacked=stacked, layout=podtrain_layout):
+                if stacked:
+                    return np.stack([layout(name)[index[1:]] for name in names[index[0]]])
+                return layout(names[0])[index]
+
+            arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, shard))
+        return jax.tree_util.tree_unflatten(treedef, arrays)
+    finally:
+        tensors.close()
+
+
+def write_params(params, out: Path, dtype: str) -> list[str]:
+    """`params` as torch's LlamaForCausalLM names and layouts in `dtype`: one model.safetensors,
+    or shards of at most SHARD_BYTES with model.safetensors.index.json. Returns the files written."""
+    from safetensors.numpy import save_file
+
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    flat = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    n_layers = flat["layers/attn/wq"].shape[0]
+
+    def entries():
+        """(name, shape, how to make it), in the order transformers lists them."""
+        for path, x in flat.items():
+            in_axes = TENSORS[path][1]
+            for i, name in enumerate(_names(path, n_layers)):
+                one = x.shape[1:] if path.startswith("layers/") else x.shape
+
+                def make(x=x, i=i, stacked=path.startswith("layers/"), in_axes=in_axes, one=one):
+                    a = np.asarray(jax.device_get(x[i] if stacked else x), np.float32)
+                    return np.ascontiguousarray((a.reshape(_hf_shape(one, in_axes)[::-1]).T if in_axes else a).astype(np_dtype))
+
+                yield name, _hf_shape(one, in_axes), make
+
+    shards, size = [[]], 0
+    for entry in entries():
+        nbytes = math.prod(entry[1]) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        save_file({name: make() for name, _, make in shard}, out / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys((name for name, _, _ in shard), file)
+    if len(names) > 1:
+        total = sum(math.prod(shape) * np_dtype.itemsize for shard in shards for _, shape, _ in shard)
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
