@@ -124,3 +124,24 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(trained, small_overrid
     train(load_config(None, _args(small_overrides, run, 6)))
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6] and np.all(np.isfinite([r["loss"] for r in read_metrics(run) if "loss" in r]))
+
+
+@pytest.mark.parametrize("shape", [(), (6,), (6, 10), (4, 6, 8), (2, 4, 6, 7)])
+def test_checksums_are_their_definition_on_any_sharding(shape):
+    """[sum of bits, sum of bits * (2i+1)] modulo 2**32 over row-major indices i, as numpy computes
+    it on the host, for the array whole and sharded over a 2x2x2 mesh."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from podtrain.config import MeshConfig
+    from podtrain.runtime.mesh import build_mesh
+    from podtrain.train.digest import checksums
+
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    bits = x.reshape(-1).view(np.uint32).astype(np.uint64)
+    index = np.arange(bits.size, dtype=np.uint64)
+    expected = [int(bits.sum() % 2**32), int((bits * (2 * index + 1) % 2**32).sum() % 2**32)]
+    mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
+    spec = PartitionSpec(*("data", "fsdp", "tensor", None)[: len(shape)])
+    sharded = jax.device_put(x, NamedSharding(mesh, spec))
+    assert checksums({"x": sharded}) == checksums({"x": jax.device_put(x, NamedSharding(mesh, PartitionSpec()))}) == {"x": expected}

@@ -29,19 +29,25 @@ def _bits(x: jax.Array) -> jax.Array:
 
 
 def _checksum(x: jax.Array) -> jax.Array:
+    """[sum of bits, sum of bits * (2i+1)] over row-major element indices i, modulo 2**32. The
+    index sum is taken axis by axis, sum_k stride_k * sum_j j * (bits summed over the other
+    axes)[j], so that only reductions of the array run: no temporary of its size, and no
+    reshape that would regroup its shards."""
     bits = _bits(x)
-    position = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(bits.ndim)):  # row-major element index, modulo 2**32
-        position = position + lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+    total = bits.sum(dtype=jnp.uint32)
+    index_sum, stride = jnp.uint32(0), 1
+    for axis in reversed(range(bits.ndim)):
+        marginal = bits.sum(axis=tuple(a for a in range(bits.ndim) if a != axis), dtype=jnp.uint32)
+        weighted = (lax.iota(jnp.uint32, bits.shape[axis]) * marginal).sum(dtype=jnp.uint32)
+        index_sum = index_sum + weighted * jnp.uint32(stride % 2**32)
         stride *= bits.shape[axis]
-    return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * (2 * position + 1)).sum(dtype=jnp.uint32)])
+    return jnp.stack([total, 2 * index_sum + total])
 
 
 @functools.cache
 def _checksummer(mesh: Mesh):
-    """One jitted function per mesh, compiled once per state layout; its sums replicated so every process reads them."""
-    return jax.jit(lambda xs: [_checksum(x) for x in xs], out_shardings=NamedSharding(mesh, PartitionSpec()))
+    """One jitted function per mesh, compiled once per array layout; its sums replicated so every process reads them."""
+    return jax.jit(_checksum, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def leaf_name(path) -> str:
@@ -54,7 +60,10 @@ def checksums(tree) -> dict[str, list[int]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if not leaves:
         return {}
-    sums = _checksummer(leaves[0][1].sharding.mesh)([x for _, x in leaves])
+    checksum = _checksummer(leaves[0][1].sharding.mesh)
+    # One array per program: the compiler keeps an array's bits as a temporary, so a program over
+    # the whole state would need a second state's worth of memory at every save.
+    sums = [checksum(x) for _, x in leaves]
     return {leaf_name(path): [int(v) for v in s] for (path, _), s in zip(leaves, jax.device_get(sums))}
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.train.digest import leaf_name
@@ -197,27 +198,34 @@ def read_params(folder: Path, abstract_params, where: str):
             raise CheckpointError(f"{where} does not hold the tensors of this Llama config: {listing}.")
         arrays = []
         for path, (_, leaf) in zip(paths, leaves):
-            in_axes = TENSORS[path][1]
-            names = _names(path, n_layers)
+            in_axes, names = TENSORS[path][1], _names(path, n_layers)
             stacked = path.startswith("layers/")
-            one = leaf.shape[1:] if stacked else leaf.shape
+            one = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:]))) if stacked else leaf
             for name in names:
-                if tensors.shape(name) != _hf_shape(one, in_axes):
-                    raise CheckpointError(f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one, in_axes))}.")
-
-            def podtrain_layout(name, one=one, in_axes=in_axes, dtype=leaf.dtype):
-                t = tensors.get(name)
-                return (t.T if in_axes else t).reshape(one).astype(dtype)
-
-            def shard(index, names=names, stacked=stacked, layout=podtrain_layout):
-                if stacked:
-                    return np.stack([layout(name)[index[1:]] for name in names[index[0]]])
-                return layout(names[0])[index]
-
-            arrays.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, shard))
+                if tensors.shape(name) != _hf_shape(one.shape, in_axes):
+                    raise CheckpointError(f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one.shape, in_axes))}.")
+            placed = (_place(tensors.get(name), one, in_axes) for name in names)
+            arrays.append(_stacked(placed, leaf) if stacked else next(placed))
         return jax.tree_util.tree_unflatten(treedef, arrays)
     finally:
         tensors.close()
+
+
+def _place(tensor: np.ndarray, target: jax.ShapeDtypeStruct, in_axes: int) -> jax.Array:
+    """One source tensor in podtrain's layout, each device given its shard in the target dtype."""
+    tensor = (tensor.T if in_axes else tensor).reshape(target.shape)
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda index: tensor[index].astype(target.dtype))
+
+
+def _stacked(layers, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    """A (layers, ...) param assembled where it lives, one layer written in place at a time, so
+    that the host never holds the stack."""
+    empty = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)
+    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0), donate_argnums=0, out_shardings=leaf.sharding)
+    stack = empty()
+    for i, layer in enumerate(layers):
+        stack = put(stack, layer, i)
+    return stack
 
 
 def write_params(params, out: Path, dtype: str) -> list[str]:
