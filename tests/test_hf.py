@@ -85,10 +85,12 @@ def test_a_sharded_checkpoint_imports(tmp_path):
     assert np.abs(podtrain_logits(tmp_path / "run", TOKENS) - torch_logits(model, TOKENS)).max() < 1e-4
 
 
-def test_trained_model_exports_to_transformers(tmp_path, small_overrides):
+def test_trained_model_exports_to_transformers(tmp_path, small_overrides, monkeypatch):
     run = tmp_path / "run"
     train(load_config(None, [*small_overrides, f"run_dir={run}", "model.tie_embeddings=false", "train.steps=3", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]))
+    monkeypatch.setattr("podtrain.train.hf.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert len(list((tmp_path / "out").glob("model-0000?-of-0000?.safetensors"))) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     tokens = TOKENS[:, :32] % 256
@@ -105,6 +107,24 @@ def test_greedy_generation_with_the_cache_equals_transformers_and_no_cache(tmp_p
     cached = cached_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0)
     assert cached == theirs
     assert window_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0) == cached
+
+
+def test_an_imported_model_generates_and_exports_with_its_own_tokenizer(tmp_path, capsys):
+    from podtrain.data.tokenizer import fit_bpe
+
+    model = hf_llama(tmp_path / "hf")
+    tokenizer = fit_bpe(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30], 300, tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "hello world", "--greedy", "--max-new-tokens", "12"]) == 0
+    prompt = tokenizer.encode("hello world")
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
+    assert capsys.readouterr().out == "hello world" + tokenizer.decode(theirs) + "\n"
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("hello world")["input_ids"] == prompt
 
 
 def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overrides):
