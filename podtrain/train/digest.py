@@ -61,9 +61,10 @@ def checksums(tree) -> dict[str, list[int]]:
     if not leaves:
         return {}
     checksum = _checksummer(leaves[0][1].sharding.mesh)
-    # One array per program: the compiler keeps an array's bits as a temporary, so a program over
-    # the whole state would need a second state's worth of memory at every save.
-    sums = [checksum(x) for _, x in leaves]
+    # One array per program, each finished before the next starts: the compiler keeps an array's
+    # bits as a temporary, so a program over the whole state would need a second state's worth of
+    # memory at every save, and programs in flight together would hold theirs at once.
+    sums = [checksum(x).block_until_ready() for _, x in leaves]
     return {leaf_name(path): [int(v) for v in s] for (path, _), s in zip(leaves, jax.device_get(sums))}
 
 
