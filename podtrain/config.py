@@ -160,6 +160,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device_type: str = "auto"  # auto | tpu | gpu | cuda | cpu
+    compile_cache: str = "auto"  # where compiled programs are kept for later runs: auto ($XDG_CACHE_HOME or ~/.cache, then podtrain/xla), a folder, or off
     run_dir: str = "runs/default"
     seed: int = ranged(0, ">= 0")
 

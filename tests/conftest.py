@@ -1,9 +1,15 @@
 """Eight fake CPU devices for every test, set before JAX is imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
+# One compilation cache for the session and the processes it starts, not the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="podtrain-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

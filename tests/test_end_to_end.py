@@ -92,3 +92,20 @@ def test_config_is_written_resolved(tmp_path, small_overrides):
     assert saved["train"]["ema"] == 0.9 and (run / "checkpoints" / "1" / "ema").is_dir()
     assert saved["model"]["compute_dtype"] == "float32" and saved["model"]["attention"] == "xla"
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path, small_overrides):
+    """In fresh processes (JAX fixes its cache folder at the first compile): the first run fills
+    compile_cache=DIR, and a second one with the same programs adds nothing to it, each a hit."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    args = [*small_overrides, "train.steps=1", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.every=0", f"compile_cache={cache}"]
+
+    def run(name):
+        subprocess.run([sys.executable, "-m", "podtrain", "train", *args, f"run_dir={tmp_path / name}"], check=True, capture_output=True, timeout=300)
+        return sorted(p.name for p in cache.iterdir())
+
+    first = run("a")
+    assert first and run("b") == first

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 from jax.sharding import Mesh
@@ -31,7 +33,20 @@ class Runtime:
         return peak * len(self.devices) if peak else None
 
 
+def use_compile_cache(setting: str) -> None:
+    """JAX's persistent compilation cache: a program compiled once on this machine (same JAX, same
+    devices, same flags) is read from disk by every later run, resume, process and sample.
+    `setting` is auto, a folder, or off."""
+    if setting == "off":
+        return
+    folder = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "podtrain" / "xla" if setting == "auto" else Path(setting)
+    jax.config.update("jax_compilation_cache_dir", str(folder.expanduser()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # not the many trivial programs
+    jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)  # least recently used entries go beyond it
+
+
 def start(cfg: Config, announce: bool = True) -> Runtime:
+    use_compile_cache(cfg.compile_cache)
     clock = time.perf_counter()
     procs = distributed.initialize(cfg.distributed.init_timeout)
     join_s = time.perf_counter() - clock
