@@ -104,6 +104,7 @@ def run_model(run_dir: str):
 
 
 def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0, cache: bool = True) -> str:
-    """Sample from the latest checkpoint of a run with the run's tokenizer."""
+    """Sample from the latest checkpoint of a run with the run's tokenizer, over a window of the
+    model's positions (model.max_seq_len) with the cache or without it."""
     cfg, fns, params = run_model(run_dir)
-    return sample(fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.model.max_seq_len if cache else cfg.train.seq_len, seed, cache)
+    return sample(fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.model.max_seq_len, seed, cache)
