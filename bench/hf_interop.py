@@ -47,22 +47,21 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from podtrain.train.hf import TENSORS, _hf_shape, hf_config
+    import jax
+    from flax import nnx
+
+    from podtrain.models import build_model
+    from podtrain.train.digest import leaf_name
+    from podtrain.train.hf import TENSORS, _hf_shape, _names, hf_config
 
     cfg = model_config(preset).model
-    d, hd = cfg.d_model, cfg.d_model // cfg.n_heads
-    shapes = {  # podtrain's shape of one layer's (or the model's) array
-        "embed": (cfg.vocab_size, d), "head": (d, cfg.vocab_size), "norm/scale": (d,),
-        "layers/attn/wq": (d, cfg.n_heads, hd), "layers/attn/wk": (d, cfg.n_kv_heads, hd), "layers/attn/wv": (d, cfg.n_kv_heads, hd),
-        "layers/attn/wo": (cfg.n_heads, hd, d), "layers/attn_norm/scale": (d,), "layers/mlp_norm/scale": (d,),
-        "layers/mlp/w_gate": (d, cfg.d_ff), "layers/mlp/w_up": (d, cfg.d_ff), "layers/mlp/w_down": (cfg.d_ff, d),
-    }
+    abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))))
     rng, tensors = np.random.default_rng(0), {}
-    for path, (name, in_axes) in TENSORS.items():
-        if path == "head" and cfg.tie_embeddings:
-            continue
-        for i in range(cfg.n_layers if path.startswith("layers/") else 1):
-            tensors[name.format(i=i)] = (0.02 * rng.standard_normal(_hf_shape(shapes[path], in_axes), np.float32)).astype(ml_dtypes.bfloat16)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        name = leaf_name(path)
+        one = leaf.shape[1:] if name.startswith("layers/") else leaf.shape
+        for hf_name in _names(name, cfg.n_layers):
+            tensors[hf_name] = (0.02 * rng.standard_normal(_hf_shape(one, TENSORS[name][1]), np.float32)).astype(ml_dtypes.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, None, "bfloat16")))
