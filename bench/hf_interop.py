@@ -52,16 +52,15 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
 
     from podtrain.models import build_model
     from podtrain.train.digest import leaf_name
-    from podtrain.train.hf import TENSORS, _hf_shape, _names, hf_config
+    from podtrain.train.hf import TENSORS, _hf_shape, _names, _one, hf_config
 
     cfg = model_config(preset).model
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))))
     rng, tensors = np.random.default_rng(0), {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         name = leaf_name(path)
-        one = leaf.shape[1:] if name.startswith("layers/") else leaf.shape
         for hf_name in _names(name, cfg.n_layers):
-            tensors[hf_name] = (0.02 * rng.standard_normal(_hf_shape(one, TENSORS[name][1]), np.float32)).astype(ml_dtypes.bfloat16)
+            tensors[hf_name] = (0.02 * rng.standard_normal(_hf_shape(_one(name, leaf.shape), TENSORS[name][1]), np.float32)).astype(ml_dtypes.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, None, "bfloat16")))

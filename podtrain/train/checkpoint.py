@@ -162,10 +162,8 @@ class Checkpointer:
 
     def restore_weights(self, abstract_params):
         """The newest intact step's weights onto `abstract_params`: its EMA where it kept one."""
-        step = self.latest_step()
-        if step is None:
-            raise CheckpointError(f"No checkpoint in {self.directory}; train first (podtrain train ... run_dir=...).")
-        name = "ema" if self.holds(step, "ema") else "params"
+        step = self.latest_step()  # none: restore says so
+        name = "ema" if step is not None and self.holds(step, "ema") else "params"
         return self.restore({name: abstract_params})[name]
 
     def _set_aside(self, steps: list[int]) -> None:

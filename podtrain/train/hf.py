@@ -176,6 +176,11 @@ def _hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
     return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
 
 
+def _one(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one source tensor of a podtrain array: a layer's, for the stacked ones."""
+    return shape[1:] if path.startswith("layers/") else shape
+
+
 def _names(path: str, n_layers: int) -> list[str]:
     name = TENSORS[path][0]
     return [name.format(i=i) for i in range(n_layers)] if path.startswith("layers/") else [name]
@@ -188,7 +193,7 @@ def read_params(folder: Path, abstract_params, where: str):
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         paths = [leaf_name(p) for p, _ in leaves]
-        n_layers = next(x.shape[0] for p, x in zip(paths, jax.tree.leaves(abstract_params)) if p.startswith("layers/"))
+        n_layers = next(leaf.shape[0] for path, (_, leaf) in zip(paths, leaves) if path.startswith("layers/"))
         wanted = {name for p in paths for name in _names(p, n_layers)}
         missing = sorted(wanted - set(tensors.where), key=len)
         tied_copy = {"lm_head.weight"} if "head" not in paths else set()  # some tied exports keep a copy
@@ -200,7 +205,7 @@ def read_params(folder: Path, abstract_params, where: str):
         for path, (_, leaf) in zip(paths, leaves):
             in_axes, names = TENSORS[path][1], _names(path, n_layers)
             stacked = path.startswith("layers/")
-            one = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:]))) if stacked else leaf
+            one = jax.ShapeDtypeStruct(_one(path, leaf.shape), leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:]))) if stacked else leaf
             for name in names:
                 if tensors.shape(name) != _hf_shape(one.shape, in_axes):
                     raise CheckpointError(f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one.shape, in_axes))}.")
@@ -240,30 +245,28 @@ def write_params(params, out: Path, dtype: str) -> list[str]:
     def entries():
         """(name, shape, how to make it), in the order transformers lists them."""
         for path, x in flat.items():
-            in_axes = TENSORS[path][1]
+            in_axes, stacked, shape = TENSORS[path][1], path.startswith("layers/"), _hf_shape(_one(path, x.shape), TENSORS[path][1])
             for i, name in enumerate(_names(path, n_layers)):
-                one = x.shape[1:] if path.startswith("layers/") else x.shape
 
-                def make(x=x, i=i, stacked=path.startswith("layers/"), in_axes=in_axes, one=one):
-                    a = np.asarray(jax.device_get(x[i] if stacked else x), np.float32)
-                    return np.ascontiguousarray((a.reshape(_hf_shape(one, in_axes)[::-1]).T if in_axes else a).astype(np_dtype))
+                def make(x=x, i=i, stacked=stacked, in_axes=in_axes, shape=shape):
+                    a = np.asarray(jax.device_get(x[i] if stacked else x))
+                    return np.ascontiguousarray((a.reshape(shape[::-1]).T if in_axes else a).astype(np_dtype))
 
-                yield name, _hf_shape(one, in_axes), make
+                yield name, shape, make
 
-    shards, size = [[]], 0
+    shards, size, total = [[]], 0, 0
     for entry in entries():
         nbytes = math.prod(entry[1]) * np_dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
         shards[-1].append(entry)
-        size += nbytes
+        size, total = size + nbytes, total + nbytes
     names = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards):
         save_file({name: make() for name, _, make in shard}, out / file, metadata={"format": "pt"})
         weight_map |= dict.fromkeys((name for name, _, _ in shard), file)
     if len(names) > 1:
-        total = sum(math.prod(shape) * np_dtype.itemsize for shard in shards for _, shape, _ in shard)
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return names
