@@ -22,9 +22,9 @@ import time  # noqa: E402
 import jax  # noqa: E402
 
 from podtrain.config import load_config, resolve_auto  # noqa: E402
-from podtrain.runtime.collectives import KINDS, collectives, summary  # noqa: E402
+from podtrain.runtime.hlo import KINDS, collectives, summary  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
-from podtrain.train.loop import build, compile_step  # noqa: E402
+from podtrain.train.job import build, compile_step  # noqa: E402
 
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
 MiB = 2**20

@@ -26,7 +26,7 @@ from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.lm import LanguageTask
-from podtrain.train.loop import build
+from podtrain.train.job import build
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 H100_STEP_TOKENS = 0.5 * 989e12 / (6 * 1.1e9)  # tokens/s of a 1.1B step at 50% MFU

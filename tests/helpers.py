@@ -5,7 +5,7 @@ import numpy as np
 
 from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.loop import build
+from podtrain.train.job import build
 
 
 def trainer(overrides, n_devices):

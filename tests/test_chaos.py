@@ -16,7 +16,8 @@ from test_multihost import CLEAN_ENV
 from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.loop import build, train
+from podtrain.train.job import build
+from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
 STEPS = 30

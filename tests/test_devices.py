@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from podtrain.errors import DeviceError
-from podtrain.runtime import devices
+from podtrain.runtime import devices, hardware
 
 
 def fake_backends(monkeypatch, present: dict):
@@ -52,7 +52,7 @@ def test_a_forced_platform_is_taken_or_is_an_error_that_says_why(monkeypatch):
         ("NVIDIA H100 NVL", 835e12),
         ("NVIDIA H200", 989e12),
         ("NVIDIA B200", 2250e12),
-        ("TPU v3", 123e12),
+        ("TPU v3", 61.5e12),  # one JAX device per core, half a chip
         ("TPU v4", 275e12),
         ("TPU v5 lite", 197e12),  # v5e
         ("TPU v5", 459e12),  # v5p
@@ -61,4 +61,4 @@ def test_a_forced_platform_is_taken_or_is_an_error_that_says_why(monkeypatch):
     ],
 )
 def test_peak_flops_by_device_kind(kind, peak):
-    assert devices.peak_flops(SimpleNamespace(device_kind=kind)) == peak
+    assert hardware.peak_flops(SimpleNamespace(device_kind=kind)) == peak

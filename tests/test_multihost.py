@@ -22,7 +22,7 @@ from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.loop import build
+from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
 from podtrain.train.sample import sample
 

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from podtrain.config import load_config
-from podtrain.runtime.collectives import collectives, summary
+from podtrain.runtime.hlo import collectives, summary
 from podtrain.runtime.mesh import build_mesh, sharded_jit
-from podtrain.train.loop import compile_step
+from podtrain.train.job import compile_step
 from podtrain.train.state import model_fns
 
 SEQ, BATCH, D_MODEL, LAYERS = 40, 16, 128, 2

@@ -104,11 +104,6 @@ class BatchReader:
         """Window ids this process reads for `batch`."""
         return self.local.ids(batch)
 
-    @property
-    def abstract(self) -> jax.ShapeDtypeStruct:
-        """A batch's shape, dtype and sharding, to compile a step ahead of time."""
-        return jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
-
     def __getitem__(self, batch: int) -> jax.Array:
         return self.place(self.local(batch))
 

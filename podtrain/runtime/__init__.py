@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from podtrain.config import Config
 from podtrain.runtime import devices as devices_lib
-from podtrain.runtime import distributed
+from podtrain.runtime import distributed, hardware
 from podtrain.runtime import mesh as mesh_lib
 
 
@@ -29,7 +29,7 @@ class Runtime:
     @property
     def peak_flops(self) -> float | None:
         """Peak FLOP/s of the whole mesh, or None where the device's peak is unknown."""
-        peak = devices_lib.peak_flops(self.devices[0])
+        peak = hardware.peak_flops(self.devices[0])
         return peak * len(self.devices) if peak else None
 
 
@@ -47,6 +47,7 @@ def use_compile_cache(setting: str) -> None:
 
 def start(cfg: Config, announce: bool = True) -> Runtime:
     use_compile_cache(cfg.compile_cache)
+    devices_lib.hide_absent_tpu()
     clock = time.perf_counter()
     procs = distributed.initialize(cfg.distributed.init_timeout)
     join_s = time.perf_counter() - clock

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import re
+import glob
+import os
 
 import jax
 
@@ -10,25 +11,16 @@ from podtrain.errors import DeviceError
 
 PLATFORMS = ("tpu", "gpu", "cpu")  # the order `auto` tries them in
 
-# Peak dense bf16 FLOP/s per device, for MFU, by the device kind JAX reports (e.g. "NVIDIA H100
-# PCIe", "TPU v5 lite"); the first pattern that matches wins. Unknown kinds (CPUs among them)
-# report no MFU rather than a wrong one.
-PEAK_FLOPS = (
-    (r"h100.*pcie", 756e12),
-    (r"h100.*nvl", 835e12),
-    (r"h100|h200", 989e12),  # SXM ("NVIDIA H100 80GB HBM3"), H200 and GH200
-    (r"b200", 2250e12),
-    (r"a100", 312e12),
-    (r"tpu v3", 123e12),
-    (r"tpu v4", 275e12),
-    (r"tpu v5 ?(lite|e)", 197e12),  # v5e
-    (r"tpu v5", 459e12),  # v5p
-    (r"tpu v6", 918e12),  # v6e (Trillium)
-)
-
-
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def hide_absent_tpu() -> None:
+    """Keep JAX from starting libtpu (the `tpu` extra) on a machine with no TPU, which prints
+    a screen of warnings before falling back: ask only for GPU and CPU unless TPU chips
+    (/dev/accel*, /dev/vfio) are present or JAX_PLATFORMS says otherwise."""
+    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and not glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"):
+        jax.config.update("jax_platforms", "cuda,cpu")
 
 
 def select_devices(device_type: str = "auto") -> list[jax.Device]:
@@ -56,11 +48,6 @@ def select_devices(device_type: str = "auto") -> list[jax.Device]:
         f"device_type={device_type} was requested but JAX cannot start a {platform.upper()} here ({why}). "
         f"Install the matching extra (`pip install -e '.[{extra}]'`) on a machine that has one, or use device_type=auto to take what is present."
     )
-
-
-def peak_flops(device: jax.Device) -> float | None:
-    kind = device.device_kind.lower()
-    return next((flops for pattern, flops in PEAK_FLOPS if re.search(pattern, kind)), None)
 
 
 def describe(devices: list[jax.Device]) -> str:

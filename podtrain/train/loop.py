@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import closing
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import jax
 from rich.console import Console
@@ -17,28 +15,12 @@ from podtrain.config import Config, default_config, differences, resolve_auto, r
 from podtrain.data.text import RUN_TOKENIZER, check_run_tokenizer
 from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
-from podtrain.models import flops_per_token, task_of
-from podtrain.runtime.mesh import data_parallel_size, sharded_jit
 from podtrain.train import hf, optim
 from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer, run_checkpoints
-from podtrain.train.lm import LanguageTask
+from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
-from podtrain.train.reasoning import PuzzleTask
-from podtrain.train.state import TrainSetup, init_state, shardings_of, train_setup, weights
-from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
-from podtrain.train.task import Task
-
-TASKS = {"text": LanguageTask, "puzzles": PuzzleTask}  # by models.MODELS[name].task
-
-
-def _check_batch(cfg: Config, dp: int) -> None:
-    micro = cfg.train.batch_size // cfg.train.grad_accum
-    if micro % dp:
-        raise ConfigError(
-            f"The microbatch of {micro} sequences (train.batch_size={cfg.train.batch_size} / train.grad_accum={cfg.train.grad_accum}) "
-            f"does not split over the {dp} data-parallel shards (mesh data x fsdp). Make train.batch_size / train.grad_accum a multiple of {dp}."
-        )
+from podtrain.train.state import weights
 
 
 def _throughput(step_time: float | None, tokens_per_step: int, flops_per_step: float, peak_flops: float | None) -> dict:
@@ -48,46 +30,6 @@ def _throughput(step_time: float | None, tokens_per_step: int, flops_per_step: f
         "step_time": step_time,
         "mfu": flops_per_step / step_time / peak_flops if step_time and peak_flops else None,
     }
-
-
-@dataclass
-class Job:
-    """A model's task compiled on a mesh: the state's layout and first value, the steps, the rates."""
-
-    setup: TrainSetup
-    task: Task
-    abstract_state: dict  # {"step", "params", "opt"}, with "ema" and the task's "carry" where kept
-    step: Callable  # (state, batch) -> (state, metrics)
-    eval_step: Callable  # (params, batch) -> metrics
-    tokens_per_step: int
-    flops_per_step: float
-
-    def init_state(self, seed: int, params=None) -> dict:
-        state = init_state(self.setup, seed, params)
-        return state if self.task.carry is None else {**state, "carry": self.task.initial_carry()}
-
-    def evaluate(self, params) -> dict:
-        return mean_over_batches(self.eval_step, params, self.task.eval_batches)
-
-
-def build(cfg: Config, mesh) -> Job:
-    """The model, its optimizer and its task (text for language models, puzzles for reasoners) on `mesh`."""
-    setup, t = train_setup(cfg, mesh), cfg.train
-    task = TASKS[task_of(cfg.model)](cfg, mesh)
-    fns = setup.fns
-    abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
-    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
-    eval_step = sharded_jit(lambda params, batch: task.eval_fn(fns.module(params), batch), mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
-    tokens_per_step = t.batch_size * task.positions
-    flops_per_step = flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
-    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)
-
-
-def compile_step(cfg: Config, mesh):
-    """The train step compiled ahead of time from abstract shapes (no weights allocated), to read
-    its memory (`memory_analysis()`) and collectives (`runtime.collectives`) before running it."""
-    job = build(cfg, mesh)
-    return job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
 
 
 def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
@@ -162,7 +104,6 @@ def train(cfg: Config) -> dict:
     rt = runtime.start(cfg)
     cfg = resolve_auto(cfg, rt.platform)
     t = cfg.train
-    _check_batch(cfg, data_parallel_size(rt.mesh))
     run_dir = Path(cfg.run_dir)
     job = build(cfg, rt.mesh)
     task = job.task

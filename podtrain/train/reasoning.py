@@ -40,6 +40,7 @@ from podtrain.train.step import batch_sharding
 from podtrain.train.task import Task
 
 CELLS = 81
+ROW = 1 + 2 * CELLS  # a puzzle's row: its id, input cells, label cells (sudoku.SudokuSet.rows)
 
 
 def split(rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -129,28 +130,31 @@ class PuzzleTask(Task):
     loss_fn = staticmethod(act_loss)
     eval_fn = staticmethod(evaluate_puzzles)
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t, m = cfg.train, cfg.model
         if cfg.data.source != "sudoku":
             raise ConfigError(f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
         if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
             raise ConfigError(f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} and model.vocab_size={sudoku.VOCAB}.")
+        slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
+        self.positions = CELLS
+
+        def per_slot(dtype, *shape):  # laid out like the batch
+            return jax.ShapeDtypeStruct((*slots, *shape), dtype, sharding=sharding)
+
+        self.train_batch = per_slot(jnp.int32, ROW)
+        latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + m.puzzle_emb_len, m.d_model)
+        self.carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, ROW)}
+        if not data:
+            return
         train_set, test_set = sudoku.load(cfg.data.path, "train"), sudoku.load(cfg.data.path, "test")
         for name, split_set in (("train", train_set), ("test", test_set)):
             if len(split_set.inputs) < t.batch_size:
                 raise DataError(f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch.")
         self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
         train_rows, test_rows = train_set.rows(), test_set.rows()
-        slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
-        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, (*slots, train_rows.shape[1]), axis=1, epoch_size=len(train_rows))
+        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, self.train_batch.shape, axis=1, epoch_size=len(train_rows))
         self.eval_batches = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
-        self.positions = CELLS
-
-        def per_slot(dtype, *shape):  # laid out like the batch
-            return jax.ShapeDtypeStruct((*slots, *shape), dtype, sharding=sharding)
-
-        latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + m.puzzle_emb_len, m.d_model)
-        self.carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, 1 + 2 * CELLS)}
 
     def initial_carry(self) -> dict:
         """Every slot halted, so step 0 fills all of them from its batch."""

@@ -14,15 +14,17 @@ from podtrain.data.loader import BatchReader
 
 
 class Task:
-    """One kind of training. A subclass's __init__(cfg, mesh) loads the data and sets:
+    """One kind of training. A subclass's __init__(cfg, mesh, data=True) sets:
 
-    summary       one line on the data, printed at the start
-    batches       the train batches, (grad_accum, microbatch, ...), indexed by step
-    eval_batches  the evaluation batches, (batch, ...)
+    train_batch   a train batch's shape, dtype and sharding, (grad_accum, microbatch, ...)
     positions     the positions (tokens, cells) one example trains, for tokens/s and MFU
-    tokenizer     text tasks: the tokenizer of the data, which the run keeps a copy of; else None
     carry         what the step keeps per example from one step to the next, as abstract arrays
-                  laid out like `batches` ({name: jax.ShapeDtypeStruct}), or None
+                  laid out like `train_batch` ({name: jax.ShapeDtypeStruct}), or None
+    and, reading the data unless data=False (enough to compile the step):
+    summary       one line on the data, printed at the start
+    batches       the train batches, indexed by step
+    eval_batches  the evaluation batches, (batch, ...)
+    tokenizer     text tasks: the tokenizer of the data, which the run keeps a copy of; else None
     """
 
     # loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)): `carry` is this
@@ -32,6 +34,7 @@ class Task:
     # eval_fn(model, batch) -> {metric: mean over the batch}
     eval_fn: Callable
 
+    train_batch: Any  # jax.ShapeDtypeStruct
     summary: str
     batches: BatchReader
     eval_batches: BatchReader

@@ -1,9 +1,11 @@
-"""The collectives of a compiled program, read from its optimized HLO text.
+"""What a compiled program does, read from its optimized HLO text: collectives and matmul FLOPs.
 
 `collectives(compiled.as_text())` lists every collective instruction with how many times one
 execution of the program runs it: an instruction inside a scanned layer stack (an HLO while
 loop with a known trip count) counts once per layer. This is what the partitioner really
 emitted, so it shows what each mesh axis costs; tests audit it and `plan` predicts from it.
+`matmul_flops` counts the FLOPs of every dot and convolution the same way, where XLA's own
+`cost_analysis()` counts a loop's body once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]")
+_MATMUL = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})")
@@ -58,6 +62,19 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry
 
 
+def _trip_count(loop: str, bodies: dict) -> int:
+    """A while loop's iterations: its known_trip_count (CPU, GPU), else the bound its condition
+    compares the counter with (TPU's optimized HLO drops the annotation; a scan counts 0..n-1)."""
+    known = _TRIP.search(loop)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop)
+    lines = bodies.get(condition.group(1), ()) if condition else ()
+    bounds = [int(m.group(1)) for line in lines for m in [re.search(r"= s32\[\][^ ]* constant\((\d+)\)", line)] if m]
+    compares_below = any("direction=LT" in line for line in lines)
+    return bounds[0] if len(bounds) == 1 and compares_below else 1
+
+
 def _multipliers(bodies: dict, entry: str) -> dict[str, int]:
     """Times each computation runs per execution of the entry one, through calls and while loops."""
     times: dict[str, int] = defaultdict(int)
@@ -65,12 +82,11 @@ def _multipliers(bodies: dict, entry: str) -> dict[str, int]:
     def visit(name: str, n: int) -> None:
         times[name] += n
         for line in bodies.get(name, ()):
-            trip = _TRIP.search(line)
             body = _BODY.search(line)
             callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
             for callee in callees:
                 if callee in bodies:
-                    visit(callee, n * (int(trip.group(1)) if trip and body and callee == body.group(1) else 1))
+                    visit(callee, n * (_trip_count(line, bodies) if body and callee == body.group(1) else 1))
 
     visit(entry, 1)
     return times
@@ -118,3 +134,30 @@ def summary(found: list[Collective]) -> dict[str, int]:
     for c in found:
         totals[c.kind] += c.total_bytes
     return totals
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split(",") if d)
+
+
+def matmul_flops(hlo: str) -> int:
+    """FLOPs of the dots and convolutions of one run of the program (2 per multiply-add), every
+    instruction counted as often as it runs: the matmuls a device really does, remat included."""
+    bodies, entry = _computations(hlo)
+    times = _multipliers(bodies, entry)
+    total = 0
+    for name, lines in bodies.items():
+        shapes = {m.group(1): _dims(m.group(3)) for m in map(_DEFINITION.match, lines) if m}
+        for line in lines:
+            match, out = _MATMUL.search(line), _DEFINITION.match(line)
+            if not (match and out and times.get(name)):
+                continue
+            kind, lhs, rhs = match.groups()
+            if kind == "dot":
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+                depth = math.prod(shapes[lhs][int(d)] for d in _dims(contracting.group(1))) if contracting else 1
+            else:  # dim_labels=bf_io->bf: the kernel's input feature and window dimensions are summed over
+                kernel = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
+                depth = math.prod(size for label, size in zip(kernel, shapes[rhs]) if label != "o")
+            total += 2 * math.prod(_dims(out.group(3))) * depth * times[name]
+    return total

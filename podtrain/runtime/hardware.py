@@ -1,0 +1,179 @@
+"""The chips podtrain knows, and the devices of a hardware target to plan a job for.
+
+A TPU target (`v4-32`, `v5e-8`, `v6e-8`, ...) is the real chip: with libtpu installed (the `tpu`
+extra) XLA compiles for a TPU topology on a machine without one. A GPU target (`h100`, `h100x8`,
+`a100x8`, `h200`) or `cpu:N` compiles for this machine's CPU with N fake host devices: the same
+partitioned program, but memory and speed are estimates, not the GPU compiler's answer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from podtrain.errors import ConfigError, DeviceError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One JAX device's resources: what a roofline needs."""
+
+    name: str
+    kind: str  # pattern of the device_kind JAX reports for it
+    memory: float  # bytes a program may use on one device
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s one device moves in a ring collective (both directions of its ring)
+
+
+# Sources: TPU: the Cloud TPU system-architecture pages (peak bf16 FLOP/s, HBM, bandwidth) and
+# "How to Scale Your Model" (ICI: 4.5e10 B/s one way per link on v4/v5e, 9e10 on v5p/v6e; a ring
+# over one mesh axis uses a link each way). Usable HBM is what XLA's TPU compiler reports as
+# available (libtpu 0.0.42, measured): a little under the nominal 16/32/95 GiB. v3 shows one JAX
+# device per core (half a chip); v4 and v5p one per chip (megacore). GPU: NVIDIA's datasheets
+# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100).
+CHIPS = {
+    "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10),
+    "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10),
+    "v5e": Chip("TPU v5e", r"tpu v5 ?(lite|e)", 15.75 * GiB, 197e12, 819e9, 2 * 4.5e10),
+    "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10),
+    "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10),
+    "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 80e9, 989e12, 3.35e12, 450e9),
+    "h200": Chip("NVIDIA H200", r"h200", 141e9, 989e12, 4.8e12, 450e9),
+    "a100": Chip("NVIDIA A100 SXM", r"a100", 80e9, 312e12, 2.039e12, 300e9),
+}
+# Peak FLOP/s of kinds seen on real devices that no planning target names (for MFU in `train`).
+OTHER_PEAKS = ((r"h100.*pcie", 756e12), (r"h100.*nvl", 835e12), (r"b200", 2250e12))
+TPU_ALIASES = {"v5litepod": "v5e", "v6e": "v6e", "v5lite": "v5e"}
+CORES_PER_CHIP = {"v3": 2, "v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}  # the count in a slice's name is of cores
+MEGACORE = ("v4", "v5p")  # one JAX device per chip
+TWO_D = ("v3", "v5e", "v6e")  # 2D torus slices; v4 and v5p are 3D
+
+
+def peak_flops(device) -> float | None:
+    """Peak FLOP/s of a real device by its kind; None where unknown (CPUs)."""
+    kind = device.device_kind.lower()
+    for pattern, flops in OTHER_PEAKS:
+        if re.search(pattern, kind):
+            return flops
+    chip = next((c for c in CHIPS.values() if re.search(c.kind, kind)), None)
+    return chip.peak_flops if chip else None
+
+
+def device_memory(device) -> float:
+    """Bytes one of these devices may use: the runtime's limit on GPU and TPU; on CPU this
+    machine's memory shared by its local devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(jax.local_devices(backend="cpu"))
+
+
+@dataclass
+class Target:
+    name: str
+    platform: str  # what the job would run on: tpu, gpu or cpu (sets `auto` precision)
+    chip: Chip
+    devices: list  # the devices to compile for: the TPU topology's, or fake host devices
+    estimate: bool  # compiled for this machine's CPU in place of the target's chip
+
+    @property
+    def label(self) -> str:
+        how = "estimated on fake CPU devices, not compiled for the GPU" if self.estimate else "compiled for the chip"
+        return f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each ({how})"
+
+
+def _doubled(dims: list[int], times: int) -> list[int]:
+    """A real slice's shape: double the last axis below the largest (2x2x1 -> 2x2x2 -> 2x2x4 -> 2x4x4 -> 4x4x4)."""
+    for _ in range(times):
+        short = [i for i, d in enumerate(dims) if d < max(dims)]
+        dims[short[-1] if short else -1] *= 2
+    return dims
+
+
+def _topology(generation: str, chips: int) -> list[int]:
+    steps = int(math.log2(chips))
+    if generation in TWO_D:
+        return _doubled([1, 1], steps)
+    return _doubled([2, 2, 1], steps - 2) if chips >= 4 else _doubled([1, 1, 1], steps)
+
+
+def tpu_target(name: str, generation: str, cores: int) -> Target:
+    chips = cores // CORES_PER_CHIP[generation]
+    if chips < 1 or chips & (chips - 1):
+        raise ConfigError(f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. {generation}-{8 * CORES_PER_CHIP[generation]}.")
+    dims = _topology(generation, chips)
+    options = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
+    if chips < 4:  # smaller than one host's 2x2 chips
+        options["chips_per_host_bounds"] = (*dims, 1)[:3]
+    try:
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{generation}:{'x'.join(map(str, dims))}", **options)
+    except Exception as e:  # no libtpu, or a topology it does not know
+        raise DeviceError(
+            f"--target {name} compiles for the TPU through libtpu, which could not describe a {generation} {'x'.join(map(str, dims))} slice here "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Install the tpu extra: `pip install -e '.[tpu]'`."
+        ) from None
+    return Target(name, "tpu", CHIPS[generation], list(topology.devices), estimate=False)
+
+
+def measured_cpu(devices: int) -> Chip:
+    """This machine's CPU shared by `devices` fake devices, its speed measured now: a float32
+    matmul for FLOP/s and an array copy for memory bandwidth."""
+    matmul = jax.jit(lambda a: a @ a)
+    copy = jax.jit(lambda a: a + 1)
+    a, b = np.ones((1024, 1024), np.float32), np.ones(2**25, np.float32)
+    rates = []
+    for fn, x, amount in ((matmul, a, 2 * 1024**3), (copy, b, 2 * b.nbytes)):
+        x = jax.device_put(x, jax.devices("cpu")[0])
+        fn(x).block_until_ready()
+        clock = time.perf_counter()
+        for _ in range(5):
+            fn(x).block_until_ready()
+        rates.append(5 * amount / (time.perf_counter() - clock) / devices)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices
+    return Chip("CPU (this machine, measured)", "cpu", memory, rates[0], rates[1], rates[1])
+
+
+def fake_devices(name: str, count: int) -> list:
+    have = jax.devices("cpu")
+    if count > len(have):
+        raise ConfigError(
+            f"--target {name} needs {count} fake CPU devices and this process has {len(have)}: run `podtrain plan` "
+            f"(it sets XLA_FLAGS=--xla_force_host_platform_device_count={count} itself), or set that flag before JAX starts."
+        )
+    return have[:count]
+
+
+def device_count(name: str) -> int | None:
+    """How many host devices a GPU or CPU target needs (the CLI sets XLA_FLAGS from it before JAX
+    starts); None for TPU targets."""
+    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", name)
+    cpu = re.fullmatch(r"cpu:(\d+)", name)
+    return int(gpu.group(2) or 1) if gpu else int(cpu.group(1)) if cpu else None
+
+
+def target(name: str) -> Target:
+    """The devices and chip of `--target NAME`."""
+    name = name.strip().lower()
+    tpu = re.fullmatch(r"(v3|v4|v5e|v5p|v6e|v5litepod|v5lite)-(\d+)", name)
+    if tpu:
+        generation = TPU_ALIASES.get(tpu.group(1), tpu.group(1))
+        return tpu_target(name, generation, int(tpu.group(2)))
+    count = device_count(name)
+    if count is None or count < 1:
+        raise ConfigError(
+            f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box (h100, h100x8, a100x8, h200), or cpu:N."
+        )
+    if name.startswith("cpu"):
+        return Target(name, "cpu", measured_cpu(count), fake_devices(name, count), estimate=False)
+    return Target(name, "gpu", CHIPS[name.split("x")[0]], fake_devices(name, count), estimate=True)

@@ -1,0 +1,77 @@
+"""A job: a model's task on a mesh, with its state's layout, its jitted steps and its rates.
+
+`build(cfg, mesh, data=False)` needs no data and no weights: `compile_step` uses it to compile
+the very step `train` runs from abstract shapes, for `plan` and for the memory check before a
+run's first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from podtrain.config import Config
+from podtrain.errors import ConfigError
+from podtrain.models import flops_per_token, task_of
+from podtrain.runtime.mesh import data_parallel_size, sharded_jit
+from podtrain.train.lm import LanguageTask
+from podtrain.train.reasoning import PuzzleTask
+from podtrain.train.state import TrainSetup, init_state, shardings_of, train_setup
+from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
+from podtrain.train.task import Task
+
+TASKS = {"text": LanguageTask, "puzzles": PuzzleTask}  # by models.MODELS[name].task
+
+
+def _check_batch(cfg: Config, dp: int) -> None:
+    micro = cfg.train.batch_size // cfg.train.grad_accum
+    if micro % dp:
+        raise ConfigError(
+            f"The microbatch of {micro} sequences (train.batch_size={cfg.train.batch_size} / train.grad_accum={cfg.train.grad_accum}) "
+            f"does not split over the {dp} data-parallel shards (mesh data x fsdp). Make train.batch_size / train.grad_accum a multiple of {dp}."
+        )
+
+
+@dataclass
+class Job:
+    """A model's task compiled on a mesh: the state's layout and first value, the steps, the rates."""
+
+    setup: TrainSetup
+    task: Task
+    abstract_state: dict  # {"step", "params", "opt"}, with "ema" and the task's "carry" where kept
+    step: Callable  # (state, batch) -> (state, metrics)
+    eval_step: Callable  # (params, batch) -> metrics
+    tokens_per_step: int
+    flops_per_step: float
+
+    def init_state(self, seed: int, params=None) -> dict:
+        state = init_state(self.setup, seed, params)
+        return state if self.task.carry is None else {**state, "carry": self.task.initial_carry()}
+
+    def evaluate(self, params) -> dict:
+        return mean_over_batches(self.eval_step, params, self.task.eval_batches)
+
+    def compile(self):
+        """The train step compiled ahead of time from abstract shapes (no weights allocated)."""
+        return self.step.lower(self.abstract_state, self.task.train_batch).compile()
+
+
+def build(cfg: Config, mesh, data: bool = True) -> Job:
+    """The model, its optimizer and its task (text for language models, puzzles for reasoners) on
+    `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
+    _check_batch(cfg, data_parallel_size(mesh))
+    setup, t = train_setup(cfg, mesh), cfg.train
+    task = TASKS[task_of(cfg.model)](cfg, mesh, data)
+    fns = setup.fns
+    abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
+    eval_step = sharded_jit(lambda params, batch: task.eval_fn(fns.module(params), batch), mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+    tokens_per_step = t.batch_size * task.positions
+    flops_per_step = flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
+    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)
+
+
+def compile_step(cfg: Config, mesh):
+    """The train step compiled ahead of time, to read its memory (`memory_analysis()`) and
+    collectives (`runtime.hlo`) before running it."""
+    return build(cfg, mesh, data=False).compile()
