@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, generate, convert, checkpoints, plot, doctor, launch, data."""
+"""The `podtrain` command: train, plan, generate, convert, checkpoints, plot, doctor, launch, data."""
 
 from __future__ import annotations
 
@@ -103,6 +103,30 @@ def _convert(args) -> None:
         run_dir, out = args.to_hf
         files = export_hf(run_dir, out, args.dtype)
         print(f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with transformers.AutoModelForCausalLM.from_pretrained({out!r}).")
+
+
+def _plan(args) -> int:
+    """Exit 0 when the job fits the target, 3 when it does not (with the remedy), 2 on bad input."""
+    import json
+
+    import jax
+
+    from podtrain.runtime import hardware
+
+    # A plan compiles on this machine's CPU, or for a TPU through libtpu: it starts no accelerator,
+    # and fake host devices stand in for a GPU box's.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", max(hardware.device_count(args.target.strip().lower()) or 1, 1))
+    from podtrain.tools import plan
+
+    cfg, target = _config(args), hardware.target(args.target)
+    if args.sweep:
+        print(target.label)
+        print(plan.sweep_table(plan.sweep(cfg, target)))
+        return 0
+    result = plan.plan(cfg, target)
+    print(json.dumps(plan.as_json(result), indent=2) if args.json else plan.report(result))
+    return 0 if result.fits else 3
 
 
 def _checkpoints(args) -> None:
@@ -233,6 +257,19 @@ def parser() -> argparse.ArgumentParser:
     cv.add_argument("overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)")
     cv.set_defaults(func=_convert)
 
+    pn = sub.add_parser(
+        "plan",
+        help="compile the train step for the target hardware: memory per device, FLOPs, collectives, predicted step time; exit 3 if it does not fit",
+        description="Compile CONFIG's train step ahead of time for --target (no weights, no data, no accelerator needed) and report whether it fits, "
+        "its collectives and a roofline step time. A job that does not fit gets the smallest change that does (exit 3).",
+    )
+    pn.add_argument("config", nargs="?", help="YAML config file (see configs/)")
+    pn.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    pn.add_argument("--target", required=True, help="v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 (estimates), cpu:N")
+    pn.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    pn.add_argument("--sweep", action="store_true", help="every mesh shape for the device count under each remat policy, fastest first")
+    pn.set_defaults(func=_plan)
+
     c = sub.add_parser("checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies")
     c.add_argument("run_dir")
     c.add_argument("--json", action="store_true", help="one JSON list, for scripts")
@@ -245,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("train", "generate", "convert", "checkpoints", "plot", "doctor", "launch", "data")
+COMMANDS = ("train", "plan", "generate", "convert", "checkpoints", "plot", "doctor", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

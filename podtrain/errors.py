@@ -40,3 +40,7 @@ class Preempted(PodtrainError):
     The exit code is EX_TEMPFAIL, "try again", distinct from errors (2) and from being killed (128 + signal)."""
 
     exit_code = 75
+
+
+class DoesNotFit(PodtrainError):
+    """A train step that needs more memory than a device has."""

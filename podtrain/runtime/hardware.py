@@ -87,7 +87,7 @@ class Target:
 
     @property
     def label(self) -> str:
-        how = "estimated on fake CPU devices, not compiled for the GPU" if self.estimate else "compiled for the chip"
+        how = "estimated on fake CPU devices, not compiled for the GPU" if self.estimate else f"compiled for the {self.platform.upper()}"
         return f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each ({how})"
 
 
@@ -114,6 +114,8 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
     options = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
     if chips < 4:  # smaller than one host's 2x2 chips
         options["chips_per_host_bounds"] = (*dims, 1)[:3]
+    # Compiling claims no TPU: let several plans (and a TPU job's own processes) load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
 

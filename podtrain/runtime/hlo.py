@@ -15,6 +15,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
@@ -140,6 +142,31 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.split(",") if d)
 
 
+def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
+    """One attribute of a convolution's window={size=2x16 stride=1x15 pad=0_0x15_15 ...}, per spatial dimension."""
+    found = re.search(rf"\b{key}=([\d_x]+)", line.split("window={", 1)[-1].split("}", 1)[0]) if "window={" in line else None
+    return [[int(v) for v in d.split("_")] for d in found.group(1).split("x")] if found else [[default, default]] * rank
+
+
+def _taps(out: int, kernel: int, size: int, stride: int, pad_low: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """Kernel taps that land on a real input element (not padding, not a dilation hole), summed
+    over the output positions of one spatial dimension: XLA's own rule for a convolution's FLOPs."""
+    at = np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dilate - pad_low
+    return int(((at >= 0) & (at <= (size - 1) * lhs_dilate) & (at % lhs_dilate == 0)).sum())
+
+
+def _convolution_macs(line: str, lhs: tuple, rhs: tuple, out: tuple) -> int:
+    """Multiply-adds of a convolution, which is how the TPU compiler writes batched matmuls."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line).groups()
+    spatial = sorted({c for c in labels[0] if c.isdigit()})
+    macs = out[labels[2].index("b")] * out[labels[2].index("f")] * rhs[labels[1].index("i")]
+    sizes, strides, pads = _window(line, "size", len(spatial), 1), _window(line, "stride", len(spatial), 1), _window(line, "pad", len(spatial), 0)
+    lhs_dilate, rhs_dilate = _window(line, "lhs_dilate", len(spatial), 1), _window(line, "rhs_dilate", len(spatial), 1)
+    for i, d in enumerate(spatial):
+        macs *= _taps(out[labels[2].index(d)], sizes[i][0], lhs[labels[0].index(d)], strides[i][0], pads[i][0], lhs_dilate[i][0], rhs_dilate[i][0])
+    return macs
+
+
 def matmul_flops(hlo: str) -> int:
     """FLOPs of the dots and convolutions of one run of the program (2 per multiply-add), every
     instruction counted as often as it runs: the matmuls a device really does, remat included."""
@@ -155,9 +182,8 @@ def matmul_flops(hlo: str) -> int:
             kind, lhs, rhs = match.groups()
             if kind == "dot":
                 contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-                depth = math.prod(shapes[lhs][int(d)] for d in _dims(contracting.group(1))) if contracting else 1
-            else:  # dim_labels=bf_io->bf: the kernel's input feature and window dimensions are summed over
-                kernel = re.search(r"dim_labels=\w+_(\w+)->", line).group(1)
-                depth = math.prod(size for label, size in zip(kernel, shapes[rhs]) if label != "o")
-            total += 2 * math.prod(_dims(out.group(3))) * depth * times[name]
+                macs = math.prod(_dims(out.group(3))) * (math.prod(shapes[lhs][int(d)] for d in _dims(contracting.group(1))) if contracting else 1)
+            else:
+                macs = _convolution_macs(line, shapes[lhs], shapes[rhs], _dims(out.group(3)))
+            total += 2 * macs * times[name]
     return total

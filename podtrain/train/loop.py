@@ -15,7 +15,7 @@ from podtrain.config import Config, default_config, differences, resolve_auto, r
 from podtrain.data.text import RUN_TOKENIZER, check_run_tokenizer
 from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
-from podtrain.train import hf, optim
+from podtrain.train import fit, hf, optim
 from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer, run_checkpoints
 from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
@@ -106,6 +106,7 @@ def train(cfg: Config) -> dict:
     t = cfg.train
     run_dir = Path(cfg.run_dir)
     job = build(cfg, rt.mesh)
+    fit.check(job, cfg, rt.devices)
     task = job.task
     if task.tokenizer is not None:
         check_run_tokenizer(run_dir, task.tokenizer)

@@ -1,0 +1,217 @@
+"""`podtrain plan`: before booking the hardware, compile the job's train step for it and say
+whether it fits, what it moves between devices and how fast it should run.
+
+The step is the one `train` compiles (same function, same shardings), built from abstract shapes:
+no weights are allocated and no data is read. Memory comes from XLA's `memory_analysis()`,
+FLOPs and collective bytes from the optimized HLO (`runtime.hlo`, loops counted per
+iteration), and the step time from a roofline over the chip's constants (`runtime.hardware`):
+
+    compute  = matmul FLOPs per device / peak FLOP/s          (remat's recomputation included)
+    memory   = 2 x (arguments + outputs + temporaries) / HBM bandwidth   (each byte written and read once)
+    network  = ring bytes of every collective / link bandwidth   (all-reduce 2(n-1)/n of its size,
+               all-gather, reduce-scatter and all-to-all (n-1)/n, a permute all of it)
+    step     = max(compute, memory, network)   (XLA overlaps collectives with compute)
+
+MFU is the model's FLOPs (6N + 12LdT per token, `models.flops_per_token`) over the step at peak:
+what a perfect run at the roofline would reach, an upper bound for the real one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from podtrain.config import Config, resolve_auto
+from podtrain.errors import PodtrainError
+from podtrain.runtime import hlo
+from podtrain.runtime.hardware import GiB, Target
+from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
+from podtrain.train import fit
+from podtrain.train.job import build
+
+RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+
+
+@dataclass
+class Plan:
+    target: Target
+    cfg: Config
+    mesh: tuple[int, int, int]
+    memory: fit.Memory
+    tokens_per_step: int
+    flops_per_step: float  # the model's, all devices
+    matmul_flops: float | None  # per device, from the compiled HLO (None if not compiled)
+    xla_cost_flops: float | None  # per device, XLA's cost_analysis(): a scanned layer counted once
+    collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
+    times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
+    compile_s: float = 0.0
+    remedy: dict | None = None  # the smallest change that fits, when this does not
+    remedy_plan: "Plan | None" = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def step_time(self) -> float | None:
+        return self.times.get("step")
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        return self.tokens_per_step / self.step_time if self.step_time else None
+
+    @property
+    def mfu(self) -> float | None:
+        peak = self.target.chip.peak_flops * len(self.target.devices)
+        return self.flops_per_step / self.step_time / peak if self.step_time else None
+
+
+def network_bytes(found: list[hlo.Collective]) -> float:
+    """Bytes one device sends per step over its links, each collective as a ring over its group."""
+    total = 0.0
+    for c in found:
+        n = c.group_size or 2
+        total += c.total_bytes * (RING[c.kind] * (n - 1) / n if c.kind in RING else 1.0)
+    return total
+
+
+def _roofline(target: Target, memory: fit.Memory, matmul_flops: float, found: list) -> dict:
+    chip = target.chip
+    times = {
+        "compute": matmul_flops / chip.peak_flops,
+        "memory": 2 * memory.total / chip.hbm_bandwidth,
+        "network": network_bytes(found) / chip.link_bandwidth,
+    }
+    return {**times, "step": max(times.values())}
+
+
+def for_target(cfg: Config, target: Target) -> Config:
+    """`auto` settings as the target's platform takes them; the estimate for a GPU compiles on
+    the CPU, where XLA's attention stands in for cuDNN's."""
+    cfg = resolve_auto(cfg, target.platform)
+    if target.estimate and cfg.model.attention == "cudnn":
+        cfg = fit.changed(cfg, {"model.attention": "xla"})
+    return cfg
+
+
+def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
+    """Compile cfg's train step for the target and predict; with `remedy`, a job that does not fit
+    also gets the smallest usual change that does."""
+    cfg = for_target(cfg, target)
+    n = len(target.devices)
+    mesh = build_mesh(cfg.mesh, target.devices)
+    job = build(cfg, mesh, data=False)
+    clock = time.perf_counter()
+    memory, compiled = fit.measure(job, target.chip.memory)
+    result = Plan(target, cfg, resolve_shape(cfg.mesh, n), memory, job.tokens_per_step, job.flops_per_step, None, None, compile_s=time.perf_counter() - clock)
+    if compiled is not None:
+        text = compiled.as_text()
+        found = hlo.collectives(text)
+        result.matmul_flops = float(hlo.matmul_flops(text))
+        result.xla_cost_flops = _cost_flops(compiled)
+        result.collectives = hlo.summary(found)
+        result.times = _roofline(target, memory, result.matmul_flops, found)
+    if remedy and not memory.fits:
+        result.remedy = fit.smallest_fix(cfg, target.devices, target.chip.memory)
+        if result.remedy:
+            result.remedy_plan = plan(fit.changed(cfg, result.remedy), target, remedy=False)
+    return result
+
+
+def _cost_flops(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
+def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
+    """Every mesh whose product is the device count, under each remat policy: its plan, or why
+    the model cannot take it; fitting plans first, fastest first."""
+    rows = []
+    for data, fsdp, tensor in factorizations(len(target.devices)):
+        for remat in ("none", "dots", "full"):
+            changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "model.remat": remat}
+            try:
+                rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
+            except PodtrainError as e:
+                rows.append((changes, str(e)))
+    return sorted(rows, key=lambda row: (isinstance(row[1], str), not (isinstance(row[1], Plan) and row[1].fits), -((row[1].tokens_per_sec or 0) if isinstance(row[1], Plan) else 0)))
+
+
+def as_json(p: Plan) -> dict:
+    m = p.memory
+    out = {
+        "target": p.target.name,
+        "chip": p.target.chip.name,
+        "estimate": p.target.estimate,
+        "devices": len(p.target.devices),
+        "mesh": dict(zip(("data", "fsdp", "tensor"), p.mesh)),
+        "remat": p.cfg.model.remat,
+        "grad_accum": p.cfg.train.grad_accum,
+        "fits": p.fits,
+        "bytes_per_device": {"params": m.params, "optimizer": m.optimizer, "gradients": m.gradients, "temporaries": m.temporaries, "total": m.total},
+        "device_bytes": m.available,
+        "flops_per_step": p.flops_per_step,
+        "matmul_flops_per_device": p.matmul_flops,
+        "xla_cost_analysis_flops_per_device": p.xla_cost_flops,
+        "collective_bytes_per_device": p.collectives,
+        "times_s": p.times,
+        "step_time_s": p.step_time,
+        "tokens_per_step": p.tokens_per_step,
+        "tokens_per_sec": p.tokens_per_sec,
+        "mfu": p.mfu,
+        "compile_s": p.compile_s,
+    }
+    if not p.fits:
+        out["remedy"] = fit.describe(p.remedy) if p.remedy else None
+        out["advice"] = fit.advice(m, len(p.target.devices), p.remedy)
+        out["remedy_plan"] = as_json(p.remedy_plan) if p.remedy_plan else None
+    return out
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _speed(p: Plan) -> str:
+    if not p.step_time:
+        return "no prediction (not compiled: it does not fit)"
+    bound = max(("compute", "memory", "network"), key=p.times.get)
+    return f"step {p.step_time * 1e3:,.1f} ms ({bound}-bound), {p.tokens_per_sec:,.0f} tokens/s, MFU {p.mfu:.1%}"
+
+
+def report(p: Plan) -> str:
+    """The plan as a user reads it."""
+    m, c = p.memory, p.cfg
+    lines = [
+        f"target      {p.target.label}",
+        f"job         {c.model.name}, {c.model.compute_dtype} compute, remat {c.model.remat}, batch {c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} "
+        f"(grad_accum {c.train.grad_accum}), mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
+        f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} (gradients {_gib(m.gradients)} among them)",
+        f"            = {_gib(m.total)} per device of {_gib(m.available)}: " + ("fits" if p.fits else "DOES NOT FIT"),
+        f"flops       model {p.flops_per_step:.3g} per step"
+        + (f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = {p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's" if p.matmul_flops else "")
+        + (f"; XLA cost_analysis {p.xla_cost_flops:.3g} (counts a scanned layer once)" if p.xla_cost_flops else ""),
+        "network     " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in p.collectives.items() if v) or "no collectives") + " per device per step",
+        f"speed       {_speed(p)}" + (" [estimate]" if p.target.estimate else ""),
+    ]
+    if p.times:
+        lines.append("roofline    " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in p.times.items() if k != "step"))
+    if not p.fits:
+        lines.append(f"remedy      {fit.advice(m, len(p.target.devices), p.remedy)}")
+        if p.remedy_plan:
+            lines.append(f"            with it: {_gib(p.remedy_plan.memory.total)} per device, {_speed(p.remedy_plan)}")
+    return "\n".join(lines)
+
+
+def sweep_table(rows: list) -> str:
+    lines = [f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"]
+    for changes, p in rows:
+        mesh = f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} {changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
+        if isinstance(p, str):
+            lines.append(f"{mesh}  cannot: {p.split('. ')[0]}")
+        else:
+            speed = f"{p.step_time * 1e3:>9,.1f}  {p.tokens_per_sec:>10,.0f}  {p.mfu:>6.1%}" if p.step_time else f"{'-':>9}  {'-':>10}  {'-':>6}"
+            lines.append(f"{mesh}  {p.memory.total / GiB:>10.2f}  {'yes' if p.fits else 'no':>4}  {speed}")
+    return "\n".join(lines)
+

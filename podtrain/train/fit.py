@@ -1,0 +1,147 @@
+"""Whether a job fits its devices' memory, and the smallest usual change that makes it fit.
+
+XLA answers: the train step compiled ahead of time for the devices, its `memory_analysis()` per
+device against what one device holds. The TPU compiler refuses a program that does not fit
+(RESOURCE_EXHAUSTED: ... exceeds available HBM); its message says how much it needed. A job
+whose weights, gradients and optimizer state alone exceed a device is not compiled at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import re
+from dataclasses import dataclass
+
+import jax
+
+from podtrain.config import Config, validate
+from podtrain.errors import DoesNotFit
+from podtrain.runtime.hardware import GiB, device_memory
+from podtrain.runtime.mesh import build_mesh, resolve_shape
+from podtrain.train.job import Job, build
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", re.S)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+@dataclass
+class Memory:
+    """Bytes per device."""
+
+    params: int
+    optimizer: int  # moments, and the EMA where the run keeps one
+    gradients: int  # a float32 copy of the local params, live inside the step (part of temporaries)
+    temporaries: int | None  # XLA's temp buffers: activations, gradients, workspace (None: not compiled)
+    total: int  # the step's peak: its arguments, temporaries and the outputs that do not reuse an argument
+    available: float  # what one device holds
+    whole_state: int  # weights, gradients and optimizer state of the whole model, unsharded
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + self.gradients
+
+
+def local_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded jax.ShapeDtypeStructs."""
+    return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))
+
+
+def global_bytes(tree) -> int:
+    return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(tree))
+
+
+def measure(job: Job, available: float) -> tuple[Memory, object | None]:
+    """The step's memory per device, and the compiled step (None where it was not compiled or
+    did not fit the TPU compiler)."""
+    state = job.abstract_state
+    params = local_bytes(state["params"])
+    optimizer = local_bytes(state["opt"]) + local_bytes(state.get("ema", {}))
+    whole = 2 * global_bytes(state["params"]) + global_bytes(state["opt"]) + global_bytes(state.get("ema", {}))
+    memory = Memory(params, optimizer, params, None, 2 * params + optimizer, available, whole)
+    if memory.total > available:
+        return memory, None
+    try:
+        compiled = job.compile()
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler's out-of-memory refusal; anything else is a real error
+        oom = _OOM.search(str(e))
+        if not oom:
+            raise
+        memory.total = int(float(oom.group(1)) * _UNITS[oom.group(2)])
+        memory.available = min(available, float(oom.group(3)) * _UNITS[oom.group(4)])
+        return memory, None
+    m = compiled.memory_analysis()
+    memory.temporaries = m.temp_size_in_bytes
+    memory.total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return memory, compiled
+
+
+def changed(cfg: Config, changes: dict) -> Config:
+    """A copy of `cfg` with dotted keys set, checked like a config file."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        setattr(functools.reduce(getattr, path, cfg), last, value)
+    validate(cfg)
+    return cfg
+
+
+def describe(changes: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in changes.items())
+
+
+def remedies(cfg: Config, n_devices: int) -> list[dict]:
+    """The usual changes, one at a time and smallest first: more fsdp (taken from the data axis),
+    remat dots then full, a smaller microbatch with gradient accumulation; then all together."""
+    data, fsdp, tensor = resolve_shape(cfg.mesh, n_devices)
+    t, policies = cfg.train, ("none", "dots", "full")
+    sharded = [{"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.tensor": tensor} for k in (2**i for i in range(1, 31)) if data % k == 0]
+    remat = [{"model.remat": p} for p in policies[policies.index(cfg.model.remat) + 1 :]]
+    dp = n_devices // tensor  # the microbatch splits over data x fsdp whatever their split
+    accum = [{"train.grad_accum": a} for a in range(t.grad_accum + 1, t.batch_size + 1) if t.batch_size % a == 0 and (t.batch_size // a) % dp == 0]
+    most = {**(sharded[-1] if sharded else {}), "model.remat": "full"}
+    return [*sharded, *remat, *accum, most, *({**most, **a} for a in accum)]
+
+
+def devices_needed(memory: Memory) -> int:
+    """The fewest devices (a power of two) over which fsdp shards the weights, gradients and
+    optimizer state into half of one device, leaving the rest for activations."""
+    return 2 ** math.ceil(math.log2(max(1.0, memory.whole_state / (memory.available / 2))))
+
+
+def smallest_fix(cfg: Config, devices: list, available: float) -> dict | None:
+    """The first of `remedies` whose step fits `devices`; None if none does."""
+    for changes in remedies(cfg, len(devices)):
+        fixed = changed(cfg, changes)
+        if measure(build(fixed, build_mesh(fixed.mesh, devices), data=False), available)[0].fits:
+            return changes
+    return None
+
+
+def advice(memory: Memory, n_devices: int, fix: dict | None) -> str:
+    """What to change, in one sentence a user can act on."""
+    need = f"needs {memory.total / GiB:.2f} GiB per device of {memory.available / GiB:.2f} GiB"
+    if fix:
+        return f"The step {need}. The smallest change that fits: {describe(fix)}."
+    return (
+        f"The step {need}, and no change of mesh, remat or microbatch on {n_devices} devices fits "
+        f"(weights, gradients and optimizer state alone are {memory.state / GiB:.2f} GiB per device). "
+        f"Use more devices: about {devices_needed(memory)} with the mesh's fsdp axis over them."
+    )
+
+
+def check(job: Job, cfg: Config, devices: list) -> None:
+    """Refuse, before anything is allocated, a job whose step does not fit these devices, naming
+    the smallest change that does (what `train` runs ahead of its first step; the step compiled
+    here is the one it then runs)."""
+    available = device_memory(devices[0])
+    memory, _ = measure(job, available)
+    if memory.fits:
+        return
+    fix = smallest_fix(cfg, devices, available)
+    raise DoesNotFit(f"{advice(memory, len(devices), fix)} `podtrain plan` with --target shows where the memory goes.")

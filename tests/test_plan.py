@@ -1,0 +1,167 @@
+"""`podtrain plan`: its memory against a real run's, its collectives against the analytic volume,
+its FLOP count against the model's formula, TPU targets through libtpu, and the exit codes."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from podtrain.config import load_config
+from podtrain.errors import DoesNotFit
+from podtrain.runtime import hardware
+from podtrain.runtime.mesh import build_mesh
+from podtrain.tools import plan
+from podtrain.train import fit
+from podtrain.train.job import build
+from podtrain.train.loop import train
+from podtrain.train.state import model_fns
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed")
+# A Llama big enough that its arrays, not the runtime, make up a step's memory.
+MEDIUM = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=768", "train.batch_size=16", "device_type=cpu"]
+
+
+def cpu(n: int) -> hardware.Target:
+    return hardware.target(f"cpu:{n}")
+
+
+def _rss() -> tuple[int, int]:
+    """(resident bytes now, peak since the last reset) of this process."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def test_memory_is_within_2x_of_a_real_step(tmp_path):
+    """The plan's bytes per device x 8 devices against the growth of this process's peak resident
+    memory while the state is made and three steps run (all 8 fake devices live in this process;
+    the step is compiled before the peak is reset, so the compiler's own memory is left out)."""
+    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, f"run_dir={tmp_path}"])
+    predicted = plan.plan(cfg, cpu(8))
+    job = build(predicted.cfg, build_mesh(cfg.mesh, jax.devices()))
+    job.compile()
+    batch = jax.device_put(jax.numpy.zeros(job.task.train_batch.shape, jax.numpy.int32), job.task.train_batch.sharding)
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+    before, _ = _rss()
+    state = job.init_state(0)
+    for _ in range(3):
+        state, metrics = job.step(state, batch)
+    jax.block_until_ready(state)
+    measured = _rss()[1] - before
+    assert predicted.fits and predicted.memory.temporaries > 0
+    assert measured / 2 <= 8 * predicted.memory.total <= 2 * measured, (measured, predicted.memory)
+
+
+def _sizes(cfg):
+    fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    return 4 * fns.n_params, sum(4 * s.size for s in jax.tree.leaves(fns.abstract_params["layers"]))
+
+
+def test_fsdp_collectives_are_the_analytic_volume():
+    """ZeRO-3 on fsdp=8: each layer's float32 weights gathered in the forward and again in the
+    backward, the rest once; every gradient reduce-scattered once (bytes of the whole arrays)."""
+    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, "mesh.data=1", "mesh.fsdp=8", "model.tie_embeddings=false"])
+    p = plan.plan(cfg, cpu(8))
+    params, layers = _sizes(fit.changed(p.cfg, {"mesh.fsdp": 1}))
+    assert p.collectives["all-gather"] == pytest.approx(2 * layers + (params - layers), rel=0.1)
+    assert p.collectives["reduce-scatter"] + p.collectives["all-reduce"] == pytest.approx(params, rel=0.1)
+    assert p.times["network"] > 0 and p.step_time == max(p.times["compute"], p.times["memory"], p.times["network"])
+
+
+@pytest.mark.parametrize("remat,ratio", [("none", 1.0), ("full", None)])
+def test_compiled_matmul_flops_match_the_model(remat, ratio):
+    """Counted in the HLO with each scanned layer once per layer: the model's 6N + 12LdT exactly
+    (within the embedding lookup, which is no matmul), and more under full remat."""
+    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, f"model.remat={remat}", "model.tie_embeddings=false"])
+    p = plan.plan(cfg, cpu(8))
+    counted = p.matmul_flops * 8 / p.flops_per_step
+    if ratio:
+        assert counted == pytest.approx(ratio, rel=0.05)
+    else:
+        assert 1.1 < counted < 1.4  # the layers' forward runs twice
+    assert p.xla_cost_flops < p.matmul_flops  # cost_analysis counts a scanned layer once
+
+
+def test_a_job_that_does_not_fit_gets_the_smallest_change():
+    cfg = load_config(CONFIGS / "tiny.yaml", MEDIUM)
+    big = plan.plan(cfg, cpu(8), remedy=False)
+    small = fit.changed(cfg, {"train.grad_accum": 2})
+    needed = plan.plan(small, cpu(8), remedy=False).memory.total
+    target = cpu(8)
+    target.chip = hardware.Chip("tight", "cpu", (needed + big.memory.total) / 2, 1e12, 1e11, 1e10)
+    p = plan.plan(cfg, target)
+    assert not p.fits and p.remedy is not None and p.remedy_plan.fits
+    assert "smallest change that fits" in plan.report(p)
+    assert plan.as_json(p)["remedy"] == fit.describe(p.remedy)
+
+
+def test_train_refuses_a_job_that_cannot_fit(tmp_path, monkeypatch, small_overrides):
+    monkeypatch.setattr(fit, "device_memory", lambda device: 2**10)
+    cfg = load_config(None, [*small_overrides, f"run_dir={tmp_path / 'run'}", "train.steps=2"])
+    with pytest.raises(DoesNotFit, match="per device of 0.00 GiB"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_sweep_ranks_every_mesh_and_remat():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["train.batch_size=8"])
+    rows = plan.sweep(cfg, cpu(2))
+    assert len(rows) == 3 * 3  # (2,1,1), (1,2,1), (1,1,2) x none, dots, full
+    speeds = [p.tokens_per_sec for _, p in rows if isinstance(p, plan.Plan)]
+    assert speeds == sorted(speeds, reverse=True)
+    assert "tensor" in plan.sweep_table(rows)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    return subprocess.run([sys.executable, "-m", "podtrain", "plan", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_bad_targets_exit_2():
+    unknown = _cli(str(CONFIGS / "tiny.yaml"), "--target", "v9-8")
+    assert unknown.returncode == 2 and "Unknown --target 'v9-8'" in unknown.stderr
+    mismatch = _cli(str(CONFIGS / "tiny.yaml"), "mesh.data=4", "--target", "h100x8")
+    assert mismatch.returncode == 2 and "needs 4 devices but 8 are available" in mismatch.stderr
+
+
+def test_gpu_target_is_an_estimate_in_json():
+    out = _cli(str(CONFIGS / "tiny.yaml"), "--target", "h100", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["fits"] and report["estimate"] and report["devices"] == 1
+    assert report["device_bytes"] == hardware.CHIPS["h100"].memory
+    for key in ("bytes_per_device", "flops_per_step", "step_time_s", "tokens_per_sec", "mfu"):
+        assert report[key], key
+
+
+@needs_libtpu
+def test_tpu_compile_counts_the_same_flops_as_cpu():
+    """The TPU compiler writes matmuls as convolutions and drops loop trip counts; counted, they
+    agree with the CPU compile of the same program."""
+    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, "mesh.fsdp=2", "model.compute_dtype=bfloat16", "model.remat=full"])
+    tpu, host = plan.plan(cfg, hardware.target("v5e-8")), plan.plan(cfg, cpu(8))
+    assert tpu.matmul_flops == host.matmul_flops
+    assert tpu.target.chip.name == "TPU v5e" and tpu.fits
+
+
+@needs_libtpu
+def test_7b_recipe_fits_v4_32():
+    out = _cli(str(CONFIGS / "llama_7b.yaml"), "--target", "v4-32", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["fits"] and report["devices"] == 16 and report["bytes_per_device"]["total"] < 32 * 2**30
+    assert report["collective_bytes_per_device"]["all-gather"] > 0  # fsdp gathers the layers
+
+
+@needs_libtpu
+def test_7b_on_one_16gib_chip_does_not_fit():
+    out = _cli(str(CONFIGS / "llama_7b.yaml"), "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "--target", "v5e-1")
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "DOES NOT FIT" in out.stdout and "Use more devices: about 16" in out.stdout
+    assert math.isclose(hardware.CHIPS["v5e"].memory / 2**30, 15.75)
