@@ -117,9 +117,11 @@ def _plan(args) -> int:
     # and fake host devices stand in for a GPU box's.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", max(hardware.device_count(args.target.strip().lower()) or 1, 1))
+    from podtrain.runtime import use_compile_cache
     from podtrain.tools import plan
 
     cfg, target = _config(args), hardware.target(args.target)
+    use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
     if args.sweep:
         print(target.label)
         print(plan.sweep_table(plan.sweep(cfg, target)))

@@ -135,7 +135,7 @@ def test_gpu_target_is_an_estimate_in_json():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["fits"] and report["estimate"] and report["devices"] == 1
-    assert report["device_bytes"] == hardware.CHIPS["h100"].memory
+    assert report["device_bytes"] == 0.75 * hardware.CHIPS["h100"].memory  # JAX's GPU allocator's default share
     for key in ("bytes_per_device", "flops_per_step", "step_time_s", "tokens_per_sec", "mfu"):
         assert report[key], key
 

@@ -8,6 +8,7 @@ partitioned program, but memory and speed are estimates, not the GPU compiler's 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -39,7 +40,8 @@ class Chip:
 # over one mesh axis uses a link each way). Usable HBM is what XLA's TPU compiler reports as
 # available (libtpu 0.0.42, measured): a little under the nominal 16/32/95 GiB. v3 shows one JAX
 # device per core (half a chip); v4 and v5p one per chip (megacore). GPU: NVIDIA's datasheets
-# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100).
+# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100); a GPU target
+# holds what JAX's allocator may take, XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of it.
 CHIPS = {
     "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10),
     "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10),
@@ -178,4 +180,7 @@ def target(name: str) -> Target:
         )
     if name.startswith("cpu"):
         return Target(name, "cpu", measured_cpu(count), fake_devices(name, count), estimate=False)
-    return Target(name, "gpu", CHIPS[name.split("x")[0]], fake_devices(name, count), estimate=True)
+    chip = CHIPS[name.split("x")[0]]
+    # JAX's GPU client takes this fraction of the memory up front and allocates from it alone.
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    return Target(name, "gpu", dataclasses.replace(chip, memory=chip.memory * fraction), fake_devices(name, count), estimate=True)

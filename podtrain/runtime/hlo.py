@@ -4,7 +4,8 @@
 execution of the program runs it: an instruction inside a scanned layer stack (an HLO while
 loop with a known trip count) counts once per layer. This is what the partitioner really
 emitted, so it shows what each mesh axis costs; tests audit it and `plan` predicts from it.
-`matmul_flops` counts the FLOPs of every dot and convolution the same way, where XLA's own
+`matmul_flops` counts the FLOPs of every dot and convolution the same way, and
+`memory_traffic` the bytes every top-level operation reads and writes, where XLA's own
 `cost_analysis()` counts a loop's body once.
 """
 
@@ -28,6 +29,9 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]")
+_OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(([^()]*)\)")
+# Operations that move no data of their own: they name, alias or control.
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "iota", "after-all", "partition-id", "replica-id", "opt-barrier"}
 _MATMUL = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
@@ -187,3 +191,69 @@ def matmul_flops(hlo: str) -> int:
                 macs = _convolution_macs(line, shapes[lhs], shapes[rhs], _dims(out.group(3)))
             total += 2 * macs * times[name]
     return total
+
+
+def _bytes(type_text: str) -> int:
+    return sum(DTYPE_BYTES[dtype] * math.prod(_dims(dims)) for dtype, dims in _ARRAY.findall(type_text))
+
+
+_SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
+
+
+def _operations(lines: list[str]):
+    """(result, its bytes, op, operand names) of each instruction line."""
+    for line in lines:
+        match = _OPERATION.match(line)
+        if match:
+            result, type_text, op, operands = match.groups()
+            yield line, result, _bytes(type_text), op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+
+
+def _accesses(lines: list[str], operand_sizes: list[int], result_size: int) -> int:
+    """Bytes a fusion reads and writes, seen from its body: an operand that is only sliced is
+    read in part; a buffer updated in place by dynamic-update-slice is neither read nor written
+    whole, only the update is."""
+    ops = list(_operations(lines))
+    params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
+    sizes = {r: size for _, r, size, _, _ in ops}
+    read = dict(enumerate(operand_sizes))
+    uses: dict[int, list] = defaultdict(list)
+    for _, _, size, op, operands in ops:
+        for position, name in enumerate(operands):
+            if name in params:
+                uses[params[name]].append((op, position, size))
+    for i, used in uses.items():
+        if all(op in _SLICES and position == 0 for op, position, _ in used):
+            read[i] = sum(size for _, _, size in used)
+        elif all(op == "dynamic-update-slice" and position == 0 for op, position, _ in used):
+            read[i] = 0
+    root = next((o for o in ops if o[0].lstrip().startswith("ROOT")), ops[-1] if ops else None)
+    written = sizes.get(root[4][1], result_size) if root and root[3] == "dynamic-update-slice" else result_size
+    return sum(read.values()) + written
+
+
+def memory_traffic(hlo: str) -> int:
+    """Bytes of device memory one run of the program reads and writes: each top-level operation
+    (a fusion is one) reads its operands and writes its result, once per loop iteration, as
+    XLA's cost analysis counts them; what happens inside a fusion stays on chip."""
+    bodies, entry = _computations(hlo)
+
+    def visit(name: str) -> int:
+        sizes, total = {}, 0
+        for line, result, size, op, operands in _operations(bodies.get(name, ())):
+            sizes[result] = size
+            if op == "while":
+                total += _trip_count(line, bodies) * visit(_BODY.search(line).group(1))
+            elif op in ("call", "conditional"):
+                total += sum(visit(c) for c in _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")])
+            elif op == "fusion":
+                total += _accesses(bodies[re.search(r"\bcalls=%?([\w.\-]+)", line).group(1)], [sizes.get(o, 0) for o in operands], size)
+            elif op in _SLICES:
+                total += 2 * size
+            elif op == "dynamic-update-slice":
+                total += 2 * sizes.get(operands[1], 0)
+            elif op not in _NO_TRAFFIC:
+                total += size + sum(sizes.get(o, 0) for o in operands)
+        return total
+
+    return visit(entry)

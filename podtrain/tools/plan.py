@@ -7,7 +7,7 @@ FLOPs and collective bytes from the optimized HLO (`runtime.hlo`, loops counted 
 iteration), and the step time from a roofline over the chip's constants (`runtime.hardware`):
 
     compute  = matmul FLOPs per device / peak FLOP/s          (remat's recomputation included)
-    memory   = 2 x (arguments + outputs + temporaries) / HBM bandwidth   (each byte written and read once)
+    memory   = bytes each operation reads and writes / HBM bandwidth     (a fusion's insides stay on chip)
     network  = ring bytes of every collective / link bandwidth   (all-reduce 2(n-1)/n of its size,
                all-gather, reduce-scatter and all-to-all (n-1)/n, a permute all of it)
     step     = max(compute, memory, network)   (XLA overlaps collectives with compute)
@@ -42,6 +42,7 @@ class Plan:
     flops_per_step: float  # the model's, all devices
     matmul_flops: float | None  # per device, from the compiled HLO (None if not compiled)
     xla_cost_flops: float | None  # per device, XLA's cost_analysis(): a scanned layer counted once
+    traffic: float | None = None  # bytes per device read and written in device memory per step
     collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
@@ -75,11 +76,11 @@ def network_bytes(found: list[hlo.Collective]) -> float:
     return total
 
 
-def _roofline(target: Target, memory: fit.Memory, matmul_flops: float, found: list) -> dict:
+def _roofline(target: Target, matmul_flops: float, traffic: float, found: list) -> dict:
     chip = target.chip
     times = {
         "compute": matmul_flops / chip.peak_flops,
-        "memory": 2 * memory.total / chip.hbm_bandwidth,
+        "memory": traffic / chip.hbm_bandwidth,
         "network": network_bytes(found) / chip.link_bandwidth,
     }
     return {**times, "step": max(times.values())}
@@ -110,7 +111,8 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.matmul_flops = float(hlo.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives = hlo.summary(found)
-        result.times = _roofline(target, memory, result.matmul_flops, found)
+        result.traffic = float(hlo.memory_traffic(text))
+        result.times = _roofline(target, result.matmul_flops, result.traffic, found)
     if remedy and not memory.fits:
         result.remedy = fit.smallest_fix(cfg, target.devices, target.chip.memory)
         if result.remedy:
@@ -135,7 +137,13 @@ def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
                 rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
             except PodtrainError as e:
                 rows.append((changes, str(e)))
-    return sorted(rows, key=lambda row: (isinstance(row[1], str), not (isinstance(row[1], Plan) and row[1].fits), -((row[1].tokens_per_sec or 0) if isinstance(row[1], Plan) else 0)))
+    return sorted(rows, key=_rank)
+
+
+def _rank(row: tuple) -> tuple:
+    """Plans that fit, fastest first; then those that do not; then meshes the model cannot take."""
+    p = row[1]
+    return (2, 0.0) if isinstance(p, str) else (0 if p.fits else 1, -(p.tokens_per_sec or 0.0))
 
 
 def as_json(p: Plan) -> dict:
@@ -154,6 +162,7 @@ def as_json(p: Plan) -> dict:
         "flops_per_step": p.flops_per_step,
         "matmul_flops_per_device": p.matmul_flops,
         "xla_cost_analysis_flops_per_device": p.xla_cost_flops,
+        "memory_traffic_bytes_per_device": p.traffic,
         "collective_bytes_per_device": p.collectives,
         "times_s": p.times,
         "step_time_s": p.step_time,
@@ -192,6 +201,7 @@ def report(p: Plan) -> str:
         f"flops       model {p.flops_per_step:.3g} per step"
         + (f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = {p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's" if p.matmul_flops else "")
         + (f"; XLA cost_analysis {p.xla_cost_flops:.3g} (counts a scanned layer once)" if p.xla_cost_flops else ""),
+        f"traffic     {_gib(p.traffic)} read and written in device memory per device per step" if p.traffic else "traffic     -",
         "network     " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in p.collectives.items() if v) or "no collectives") + " per device per step",
         f"speed       {_speed(p)}" + (" [estimate]" if p.target.estimate else ""),
     ]
