@@ -124,7 +124,7 @@ def test_recipe_has_its_reference_size(name, reference):
 
 def test_recipes_keep_their_setup():
     llama, mhc, trm, pod = (load_config(CONFIGS / f) for f in ("llama_7b.yaml", "mhc_3b.yaml", "trm_sudoku.yaml", "trm_sudoku_pod.yaml"))
-    assert (llama.mesh.data, llama.mesh.fsdp, llama.mesh.tensor) == (4, 4, 2)
+    assert (llama.mesh.data, llama.mesh.fsdp, llama.mesh.tensor) == (2, 4, 2)  # v4-32: 16 chips, one JAX device each
     assert (mhc.model.vocab_size, mhc.train.batch_size, mhc.model.streams) == (49152, 32, 4)
     assert (mhc.mesh.data, mhc.mesh.fsdp, mhc.mesh.tensor) == (2, 2, 2)
     assert load_config(CONFIGS / "mhc_tiny.yaml").model.name == "mhc"
