@@ -75,7 +75,7 @@ class ModelConfig:
     remat: str = "none"  # none | full | dots
     scan_unroll: int = ranged(1, ">= 1")  # layers per scan iteration; the layer count unrolls fully
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
-    attention: str = "auto"  # auto (cudnn on GPU with bf16, xla otherwise) | xla | cudnn
+    attention: str = "auto"  # auto (cudnn on GPU with bf16, splash on TPU, xla otherwise) | xla | cudnn | splash (Pallas, TPU)
 
     def validate(self) -> None:
         """Relations between this family's keys; subclasses add theirs."""
@@ -187,7 +187,7 @@ CHOICES = {
     "device_type": ("auto", "tpu", "gpu", "cuda", "cpu"),
     "model.remat": ("none", "full", "dots"),
     "model.compute_dtype": ("auto", "float32", "bfloat16"),
-    "model.attention": ("auto", "xla", "cudnn"),
+    "model.attention": ("auto", "xla", "cudnn", "splash"),
     "model.rope_scaling": ("none", "llama3"),
     "model.projection": ("sinkhorn", "permutations"),
     "data.source": ("pydoc", "text", "tokens", "sudoku"),
@@ -297,6 +297,8 @@ def parse_overrides(items: list[str]) -> list[str]:
 
 
 # `--use-small-model`: the layer sizes of the embedded tiny job, where the family has them.
+SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys
+
 SMALL_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
 
 
@@ -373,8 +375,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.source={cfg.data.source} needs data.path={folder}.")
     if cfg.data.source == "pydoc" and cfg.data.path:
         raise ConfigError(f"data.path={cfg.data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens (shards from `podtrain data prepare`) or text (a local corpus).")
-    if cfg.data.pack == "documents" and cfg.model.attention == "cudnn":
-        raise ConfigError("data.pack=documents keeps attention inside documents with a mask, which model.attention=cudnn does not take; use model.attention=xla (or auto).")
+    if cfg.model.attention == "splash" and getattr(t, "seq_len", 1) % SPLASH_BLOCK:
+        raise ConfigError(f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of {SPLASH_BLOCK} (puzzles are not), or use model.attention=xla.")
+    if cfg.data.pack == "documents" and cfg.model.attention in ("cudnn", "splash"):
+        raise ConfigError(f"data.pack=documents keeps attention inside documents with a mask, which model.attention={cfg.model.attention} does not take; use model.attention=xla (or auto).")
     if cfg.data.source == "sudoku" and not cfg.data.path:
         raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
 
@@ -421,5 +425,7 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
         head_dim = m.d_model // m.n_heads
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
-        m.attention = "cudnn" if cudnn_ok and cfg.data.pack != "documents" else "xla"
+        splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # text of whole blocks
+        fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
+        m.attention = fused if cfg.data.pack != "documents" else "xla"
     return cfg

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.runtime.mesh import constrain, shards
+from podtrain.runtime.mesh import constrain, per_shard, shards
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -80,6 +80,26 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim)) v by the Pallas splash-attention kernel for TPU: scores
+    live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
+    device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
+    repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash, splash_attention_mask as masks
+
+    n, head_dim = q_BTNH.shape[2:]
+    k_BTNH, v_BTNH = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k_BTKH, v_BTKH))
+
+    def local(q, k, v):  # this device's (batch, seq, heads, head_dim), as (batch, heads, seq, head_dim)
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        t, heads = q.shape[2], q.shape[1]
+        mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
+        kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret)
+        return jax.vmap(kernel)(q * jnp.asarray(head_dim**-0.5, q.dtype), k, v).transpose(0, 2, 1, 3)
+
+    return per_shard(local, (HEADS,) * 3, HEADS)(q_BTNH, k_BTNH, v_BTNH)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
 
@@ -121,7 +141,10 @@ class Attention(nnx.Module):
         output row-parallel over heads, so that tensor parallelism costs one all-reduce of
         (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=self.implementation)
+        if self.implementation == "splash":
+            out = splash_attention(q, k, v, self.causal)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=self.implementation)
         return self.output(constrain(out, HEADS))
 
     def decode(self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -118,6 +118,21 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     return x if mesh is None else jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
 
 
+def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
+    """fn run on each device's shard of arrays laid out by logical names (jax.shard_map), for
+    kernels XLA cannot partition (Pallas); fn itself outside `sharded_jit`."""
+    mesh = _TRACING_MESH.get()
+    if mesh is None:
+        return fn
+
+    def run(*arrays):
+        specs = tuple(logical_spec(names, x.shape, mesh) for names, x in zip(in_names, arrays))
+        out_spec = logical_spec(out_names, arrays[0].shape, mesh)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
+
+    return run
+
+
 def shards(name: str, size: int) -> int:
     """Into how many pieces the rules split a dimension of `size` named `name` (1 outside `sharded_jit`)."""
     mesh = _TRACING_MESH.get()
