@@ -1,5 +1,5 @@
 """What is done for speed leaves the numbers as they were: the attention equals
-jax.nn.dot_product_attention (outputs and gradients). And the throughput bench runs."""
+jax.nn.dot_product_attention and SwiGLU its autodiff (outputs and gradients). And the throughput bench runs."""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podtrain.models.layers import grouped_attention
+from podtrain.models.layers import grouped_attention, swiglu
 
 ROOT = Path(__file__).parent.parent
 
@@ -37,6 +37,15 @@ def test_grouped_attention_equals_dot_product_attention(causal, documents):
     ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal))
     reference = with_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla"))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), ours, reference)
+
+
+def test_swiglu_gradient_equals_autodiff():
+    gate_up = jax.random.normal(jax.random.key(0), (4, 8, 2, 16)) * 3
+    plain = lambda x: jax.nn.silu(x[..., 0, :]) * x[..., 1, :]  # noqa: E731
+    cotangent = jax.random.normal(jax.random.key(1), (4, 8, 16))
+    ours, reference = (jax.vjp(f, gate_up) for f in (swiglu, plain))
+    np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1](cotangent)[0], reference[1](cotangent)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_throughput_bench_runs_tiny():

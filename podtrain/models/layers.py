@@ -201,6 +201,23 @@ class Attention(nnx.Module):
         return self.output(out), cache
 
 
+@jax.custom_vjp
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    """silu(gate) * up of (..., 2, d_ff), gate first. The gradient of both halves is written in one
+    pass; taking the halves as slices would write each padded to full size and then add them."""
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_bwd(gate_up, d_hidden):
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    sig = jax.nn.sigmoid(gate)
+    return (jnp.stack([d_hidden * up * sig * (1 + gate * (1 - sig)), d_hidden * gate * sig], axis=-2),)
+
+
+swiglu.defvjp(lambda gate_up: (swiglu(gate_up), gate_up), _swiglu_bwd)
+
+
 class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism."""
@@ -215,7 +232,7 @@ class SwiGLU(nnx.Module):
         # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
-        hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        hidden = swiglu(gate_up)
         return constrain(hidden @ self.w_down[...].astype(self.dtype), self.x_axes)
 
 
