@@ -27,6 +27,7 @@ class LlamaConfig(ModelConfig):
     rope_low_freq_factor: float = ranged(1.0, "> 0")
     rope_high_freq_factor: float = ranged(4.0, "> 0")
     rope_original_max_len: int = ranged(8192, ">= 1")  # the context length the model was pretrained at before the stretch
+    loss_chunk: int = ranged(0, ">= 0")  # positions per chunk of the training loss, so that one chunk's float32 logits exist at a time; 0: all at once
 
     def validate(self) -> None:
         super().validate()
@@ -86,11 +87,16 @@ class Llama(nnx.Module):
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        return self.logits(*self.features(tokens, segment_ids))
+
+    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """The embedding table and the last block's output (batch, seq, d_model): `logits` of the
+        two, whole or a slice of the positions at a time, are the model's output."""
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1])
         mask = None if segment_ids is None else document_mask(segment_ids)
         x = scan_layers(self.layers, self.widen(self.embedded(table, tokens)), rope, mask, remat=self.cfg.remat, unroll=self.cfg.scan_unroll)
-        return self.logits(table, self.narrow(x))
+        return table, self.narrow(x)
 
     def decode(self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Logits of `tokens` (batch, n) at positions start..start+n-1, attending to the keys and

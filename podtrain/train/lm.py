@@ -18,12 +18,39 @@ from podtrain.train.task import Task
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean of logsumexp(logits) - logits[target]. The target's logit is picked by comparing with
-    the vocabulary's indices, not gathered, so logits split over the vocabulary (tensor
+    """Mean of logsumexp(logits) - logits[target]."""
+    return token_losses(logits, targets).mean()
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """logsumexp(logits) - logits[target] per position. The target's logit is picked by comparing
+    with the vocabulary's indices, not gathered, so logits split over the vocabulary (tensor
     parallelism) stay split: each shard reduces its part and only per-token sums cross devices."""
     logits = logits.astype(jnp.float32)
     target_logit = jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(-1)
-    return (jax.nn.logsumexp(logits, axis=-1) - target_logit).mean()
+    return jax.nn.logsumexp(logits, axis=-1) - target_logit
+
+
+def chunked_cross_entropy(logits_fn, x_BTD: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """cross_entropy(logits_fn(x), targets), `chunk` positions at a time in a loop whose body is
+    recomputed in the backward pass: only one chunk's float32 logits (batch, chunk, vocab) exist
+    at once, never the whole sequence's. A last, shorter chunk is padded and its padding not counted."""
+    b, t, d = x_BTD.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    counted = jnp.arange(n * chunk) < t
+    chunks = (  # (n, batch, chunk, ...): the loop runs over the first axis, the batch keeps its sharding
+        jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1),
+        jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1),
+        counted.reshape(n, 1, chunk),
+    )
+
+    @jax.checkpoint
+    def chunk_sum(xs):
+        x, target, keep = xs
+        return jnp.where(keep, token_losses(logits_fn(x), target), 0.0).sum()
+
+    return jax.lax.map(chunk_sum, chunks).sum() / (b * t)
 
 
 def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
@@ -35,10 +62,14 @@ def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
 
 def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None):
     """The mean cross entropy of predicting each token of windows (batch, seq + 1) from those
-    before it; with `eos_id`, only from those of its own document (data.pack=documents)."""
-    inputs = tokens[:, :-1]
-    logits = model(inputs) if eos_id is None else model(inputs, segment_ids=document_ids(inputs, eos_id))
-    return cross_entropy(logits, tokens[:, 1:]), (carry, {})
+    before it; with `eos_id`, only from those of its own document (data.pack=documents). With
+    model.loss_chunk, the logits are made and scored that many positions at a time."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    table, x = model.features(inputs, None if eos_id is None else document_ids(inputs, eos_id))
+    chunk = model.cfg.loss_chunk
+    if chunk and chunk < inputs.shape[1]:
+        return chunked_cross_entropy(lambda x: model.logits(table, x), x, targets, chunk), (carry, {})
+    return cross_entropy(model.logits(table, x), targets), (carry, {})
 
 
 def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict:

@@ -1,0 +1,105 @@
+"""What is done for speed leaves the numbers as they were: the chunked loss equals the full one
+(loss and gradients), the attention equals jax.nn.dot_product_attention (outputs and gradients),
+unrolled layers equal the scan, on one device and on a mesh. And the throughput bench runs."""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from podtrain.config import MeshConfig, load_config
+from podtrain.models import build_model
+from podtrain.models.layers import grouped_attention, swiglu
+from podtrain.runtime.mesh import build_mesh, sharded_jit
+from podtrain.train import lm
+
+ROOT = Path(__file__).parent.parent
+
+
+@functools.cache
+def loss_and_grads(overrides: tuple[str, ...], mesh_shape=(1, 1, 1)):
+    """The next-token loss of a fixed batch and its gradient, on a mesh of data x fsdp x tensor."""
+    cfg = load_config(None, list(overrides))
+    graphdef, params = nnx.split(build_model(cfg.model, nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.model.vocab_size)
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    loss = lambda p: lm.next_token_loss(nnx.merge(graphdef, p), None, tokens, None)[0]  # noqa: E731
+    return jax.device_get(sharded_jit(jax.value_and_grad(loss), mesh)(params))
+
+
+@pytest.mark.parametrize("chunk,mesh_shape", [(8, (1, 1, 1)), (12, (1, 1, 1)), (12, (2, 1, 2))], ids=["8", "12-short-last", "12-data-tensor"])
+def test_chunked_loss_equals_full_loss_and_gradients(chunk, mesh_shape, small_overrides):
+    full_loss, full_grads = loss_and_grads(tuple(small_overrides), mesh_shape)
+    loss, grads = loss_and_grads((*small_overrides, f"model.loss_chunk={chunk}"), mesh_shape)
+    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, full_grads)
+
+
+def test_chunked_loss_keeps_one_chunk_of_logits(small_overrides):
+    """Compiled for a large vocabulary, the chunked step's temporaries are a fraction of the full one's."""
+    big = [*small_overrides, "model.vocab_size=16384"]
+    cfg = load_config(None, big)
+    tokens = jnp.zeros((8, 33), jnp.int32)
+
+    def temporaries(overrides):
+        graphdef, params = nnx.split(build_model(load_config(None, overrides).model, nnx.Rngs(0)))
+        grad = jax.jit(jax.grad(lambda p: lm.next_token_loss(nnx.merge(graphdef, p), None, tokens, None)[0]))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = 8 * 32 * cfg.model.vocab_size * 4
+    full, chunked = temporaries(big), temporaries([*big, "model.loss_chunk=4"])
+    assert full > 2 * logits_bytes and chunked < full - 1.5 * logits_bytes
+
+
+def attention_inputs(n_heads=8, n_kv_heads=2, t=16, h=8):
+    q = jax.random.normal(jax.random.key(0), (2, t, n_heads, h))
+    k, v = jax.random.normal(jax.random.key(1), (2, 2, t, n_kv_heads, h))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("documents", [False, True])
+def test_grouped_attention_equals_dot_product_attention(causal, documents):
+    q, k, v = attention_inputs()
+    segments = jnp.array([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None] if documents else None
+    cotangent = jax.random.normal(jax.random.key(2), q.shape)
+
+    def with_grads(attend):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, pullback(cotangent)
+
+    ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal))
+    reference = with_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), ours, reference)
+
+
+def test_swiglu_gradient_equals_autodiff():
+    gate_up = jax.random.normal(jax.random.key(0), (4, 8, 2, 16)) * 3
+    plain = lambda x: jax.nn.silu(x[..., 0, :]) * x[..., 1, :]  # noqa: E731
+    cotangent = jax.random.normal(jax.random.key(1), (4, 8, 16))
+    ours, reference = (jax.vjp(f, gate_up) for f in (swiglu, plain))
+    np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1](cotangent)[0], reference[1](cotangent)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_unrolled_layers_equal_the_scan(small_overrides):
+    """model.scan_unroll=n_layers unrolls the scan in full (~1.05x faster on the cpu preset): the loss and gradients of the scan."""
+    scanned = loss_and_grads(tuple(small_overrides))
+    unrolled = loss_and_grads((*small_overrides, "model.scan_unroll=2"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), unrolled, scanned)
+
+
+def test_throughput_bench_runs_tiny():
+    """End to end on CPU in its tiny mode: both sides train and the ratio line is printed (no timing asserted)."""
+    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user has, not the tests' eight
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "ratio podtrain/reference: min" in result.stdout
