@@ -23,7 +23,7 @@ from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.digest import checksums
-from podtrain.train.loop import build
+from podtrain.train.job import build
 
 MODEL = ["model.d_model=640", "model.n_layers=10", "model.n_heads=10", "model.n_kv_heads=10", "model.d_ff=1920", "model.max_seq_len=64"]
 TRAIN = ["train.seq_len=64", "train.batch_size=2", "model.compute_dtype=float32", "device_type=cpu"]

@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from podtrain.config import load_config, resolve_auto
-from podtrain.runtime.devices import peak_flops, select_devices
+from podtrain.runtime.devices import select_devices
+from podtrain.runtime.hardware import peak_flops
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train import optim
-from podtrain.train.loop import build
+from podtrain.train.job import build
 
 PRESETS = {
     # The 3.3M-parameter Llama of the CPU comparison.

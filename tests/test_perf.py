@@ -58,7 +58,7 @@ def test_chunked_loss_keeps_one_chunk_of_logits(small_overrides):
     assert full > 2 * logits_bytes and chunked < full - 1.5 * logits_bytes
 
 
-def attention_inputs(n_heads=8, n_kv_heads=2, t=16, h=8):
+def attention_inputs(n_heads=8, n_kv_heads=2, t=256, h=8):  # 8 causal blocks of 32 queries
     q = jax.random.normal(jax.random.key(0), (2, t, n_heads, h))
     k, v = jax.random.normal(jax.random.key(1), (2, 2, t, n_kv_heads, h))
     return q, k, v
@@ -68,7 +68,7 @@ def attention_inputs(n_heads=8, n_kv_heads=2, t=16, h=8):
 @pytest.mark.parametrize("documents", [False, True])
 def test_grouped_attention_equals_dot_product_attention(causal, documents):
     q, k, v = attention_inputs()
-    segments = jnp.array([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    segments = jnp.array([[0] * 80 + [1] * 176, [0] * 144 + [1] * 112])
     mask = (segments[:, :, None] == segments[:, None, :])[:, None] if documents else None
     cotangent = jax.random.normal(jax.random.key(2), q.shape)
 

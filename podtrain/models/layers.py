@@ -86,6 +86,16 @@ def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
 # query: 9/16 of the full score matrix is computed, and each block's scores are small enough to stay
 # in cache between the softmax's passes (on 2 CPU cores, 8 blocks take ~0.6x the time of one).
 CAUSAL_BLOCKS = 8
+MIN_BLOCK = 32  # queries: a smaller block saves nothing worth its compile time
+
+
+def causal_blocks(t: int) -> int:
+    """The query blocks of a causal self-attention over t positions: up to CAUSAL_BLOCKS, whole and
+    of at least MIN_BLOCK queries each. They compute (blocks + 1) / (2 blocks) of the scores."""
+    blocks = CAUSAL_BLOCKS
+    while blocks > 1 and (t % blocks or t // blocks < MIN_BLOCK):
+        blocks //= 2
+    return blocks
 
 
 def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array | None = None, causal: bool = True) -> jax.Array:
@@ -99,7 +109,7 @@ def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, m
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
     bias = jnp.where(allowed, 0.0, -1e30).astype(jnp.float32)  # added, not selected: the backward needs no mask
-    blocks = CAUSAL_BLOCKS if causal and t == s and t % CAUSAL_BLOCKS == 0 else 1
+    blocks = causal_blocks(t) if causal and t == s else 1
     return _attend(q, k_BSKH, v_BSKH, bias, blocks).reshape(b, t, n, h)
 
 
