@@ -116,7 +116,7 @@ def _plan(args) -> int:
     # A plan compiles on this machine's CPU, or for a TPU through libtpu: it starts no accelerator,
     # and fake host devices stand in for a GPU box's.
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", max(hardware.device_count(args.target.strip().lower()) or 1, 1))
+    jax.config.update("jax_num_cpu_devices", hardware.device_count(args.target.strip().lower()) or 1)
     from podtrain.runtime import use_compile_cache
     from podtrain.tools import plan
 

@@ -54,7 +54,7 @@ CHIPS = {
 }
 # Peak FLOP/s of kinds seen on real devices that no planning target names (for MFU in `train`).
 OTHER_PEAKS = ((r"h100.*pcie", 756e12), (r"h100.*nvl", 835e12), (r"b200", 2250e12))
-TPU_ALIASES = {"v5litepod": "v5e", "v6e": "v6e", "v5lite": "v5e"}
+TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
 CORES_PER_CHIP = {"v3": 2, "v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}  # the count in a slice's name is of cores
 MEGACORE = ("v4", "v5p")  # one JAX device per chip
 TWO_D = ("v3", "v5e", "v6e")  # 2D torus slices; v4 and v5p are 3D
@@ -70,13 +70,17 @@ def peak_flops(device) -> float | None:
     return chip.peak_flops if chip else None
 
 
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def device_memory(device) -> float:
     """Bytes one of these devices may use: the runtime's limit on GPU and TPU; on CPU this
     machine's memory shared by its local devices."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / len(jax.local_devices(backend="cpu"))
+    return _host_memory() / len(jax.local_devices(backend="cpu"))
 
 
 @dataclass
@@ -144,8 +148,7 @@ def measured_cpu(devices: int) -> Chip:
         for _ in range(5):
             fn(x).block_until_ready()
         rates.append(5 * amount / (time.perf_counter() - clock) / devices)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / devices
-    return Chip("CPU (this machine, measured)", "cpu", memory, rates[0], rates[1], rates[1])
+    return Chip("CPU (this machine, measured)", "cpu", _host_memory() / devices, rates[0], rates[1], rates[1])
 
 
 def fake_devices(name: str, count: int) -> list:
@@ -153,14 +156,14 @@ def fake_devices(name: str, count: int) -> list:
     if count > len(have):
         raise ConfigError(
             f"--target {name} needs {count} fake CPU devices and this process has {len(have)}: run `podtrain plan` "
-            f"(it sets XLA_FLAGS=--xla_force_host_platform_device_count={count} itself), or set that flag before JAX starts."
+            f"(it sets jax_num_cpu_devices={count} itself), or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts."
         )
     return have[:count]
 
 
 def device_count(name: str) -> int | None:
-    """How many host devices a GPU or CPU target needs (the CLI sets XLA_FLAGS from it before JAX
-    starts); None for TPU targets."""
+    """How many host devices a GPU or CPU target needs (the CLI sets jax_num_cpu_devices from it
+    before JAX starts); None for TPU targets."""
     gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", name)
     cpu = re.fullmatch(r"cpu:(\d+)", name)
     return int(gpu.group(2) or 1) if gpu else int(cpu.group(1)) if cpu else None

@@ -28,11 +28,9 @@ _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]")
 _OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(([^()]*)\)")
 # Operations that move no data of their own: they name, alias or control.
 _NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "iota", "after-all", "partition-id", "replica-id", "opt-barrier"}
-_MATMUL = re.compile(r"\s(dot|convolution)\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})")
@@ -81,6 +79,11 @@ def _trip_count(loop: str, bodies: dict) -> int:
     return bounds[0] if len(bounds) == 1 and compares_below else 1
 
 
+def _callees(line: str) -> list[str]:
+    """The computations an instruction calls: loop body and condition, branches, reducers, fusions."""
+    return _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
+
+
 def _multipliers(bodies: dict, entry: str) -> dict[str, int]:
     """Times each computation runs per execution of the entry one, through calls and while loops."""
     times: dict[str, int] = defaultdict(int)
@@ -89,8 +92,7 @@ def _multipliers(bodies: dict, entry: str) -> dict[str, int]:
         times[name] += n
         for line in bodies.get(name, ()):
             body = _BODY.search(line)
-            callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
-            for callee in callees:
+            for callee in _callees(line):
                 if callee in bodies:
                     visit(callee, n * (_trip_count(line, bodies) if body and callee == body.group(1) else 1))
 
@@ -178,17 +180,19 @@ def matmul_flops(hlo: str) -> int:
     times = _multipliers(bodies, entry)
     total = 0
     for name, lines in bodies.items():
-        shapes = {m.group(1): _dims(m.group(3)) for m in map(_DEFINITION.match, lines) if m}
-        for line in lines:
-            match, out = _MATMUL.search(line), _DEFINITION.match(line)
-            if not (match and out and times.get(name)):
-                continue
-            kind, lhs, rhs = match.groups()
-            if kind == "dot":
+        if not times.get(name):
+            continue
+        shapes = {}
+        for line, result, type_text, op, operands in _operations(lines):
+            arrays = _ARRAY.findall(type_text)
+            shapes[result] = _dims(arrays[0][1]) if len(arrays) == 1 else ()
+            if op == "dot":
                 contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-                macs = math.prod(_dims(out.group(3))) * (math.prod(shapes[lhs][int(d)] for d in _dims(contracting.group(1))) if contracting else 1)
+                macs = math.prod(shapes[result]) * (math.prod(shapes[operands[0]][int(d)] for d in _dims(contracting.group(1))) if contracting else 1)
+            elif op == "convolution":
+                macs = _convolution_macs(line, shapes[operands[0]], shapes[operands[1]], shapes[result])
             else:
-                macs = _convolution_macs(line, shapes[lhs], shapes[rhs], _dims(out.group(3)))
+                continue
             total += 2 * macs * times[name]
     return total
 
@@ -201,19 +205,19 @@ _SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
 
 
 def _operations(lines: list[str]):
-    """(result, its bytes, op, operand names) of each instruction line."""
+    """(line, result, its type, op, operand names) of each instruction line."""
     for line in lines:
         match = _OPERATION.match(line)
         if match:
             result, type_text, op, operands = match.groups()
-            yield line, result, _bytes(type_text), op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
+            yield line, result, type_text, op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
 
 
 def _accesses(lines: list[str], operand_sizes: list[int], result_size: int) -> int:
     """Bytes a fusion reads and writes, seen from its body: an operand that is only sliced is
     read in part; a buffer updated in place by dynamic-update-slice is neither read nor written
     whole, only the update is."""
-    ops = list(_operations(lines))
+    ops = [(line, r, _bytes(type_text), op, operands) for line, r, type_text, op, operands in _operations(lines)]
     params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
     sizes = {r: size for _, r, size, _, _ in ops}
     read = dict(enumerate(operand_sizes))
@@ -240,12 +244,12 @@ def memory_traffic(hlo: str) -> int:
 
     def visit(name: str) -> int:
         sizes, total = {}, 0
-        for line, result, size, op, operands in _operations(bodies.get(name, ())):
-            sizes[result] = size
+        for line, result, type_text, op, operands in _operations(bodies.get(name, ())):
+            sizes[result] = size = _bytes(type_text)
             if op == "while":
                 total += _trip_count(line, bodies) * visit(_BODY.search(line).group(1))
             elif op in ("call", "conditional"):
-                total += sum(visit(c) for c in _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")])
+                total += sum(visit(c) for c in _callees(line))
             elif op == "fusion":
                 total += _accesses(bodies[re.search(r"\bcalls=%?([\w.\-]+)", line).group(1)], [sizes.get(o, 0) for o in operands], size)
             elif op in _SLICES:

@@ -117,9 +117,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.traffic = float(hlo.memory_traffic(text))
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
     if remedy and not memory.fits:
-        result.remedy = fit.smallest_fix(cfg, target.devices, target.chip.memory)
-        if result.remedy:
-            result.remedy_plan = plan(fit.changed(cfg, result.remedy), target, remedy=False)
+        result.remedy, result.remedy_plan = fit.smallest_fix(cfg, n, lambda c: plan(c, target, remedy=False))
     return result
 
 

@@ -13,6 +13,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 
@@ -114,13 +115,14 @@ def devices_needed(memory: Memory) -> int:
     return 2 ** math.ceil(math.log2(max(1.0, memory.whole_state / (memory.available / 2))))
 
 
-def smallest_fix(cfg: Config, devices: list, available: float) -> dict | None:
-    """The first of `remedies` whose step fits `devices`; None if none does."""
-    for changes in remedies(cfg, len(devices)):
-        fixed = changed(cfg, changes)
-        if measure(build(fixed, build_mesh(fixed.mesh, devices), data=False), available)[0].fits:
-            return changes
-    return None
+def smallest_fix(cfg: Config, n_devices: int, attempt: Callable[[Config], object]) -> tuple[dict | None, object]:
+    """The first of `remedies` for which `attempt(changed config)` (anything with `.fits`) fits,
+    with that attempt; (None, None) if none does."""
+    for changes in remedies(cfg, n_devices):
+        result = attempt(changed(cfg, changes))
+        if result.fits:
+            return changes, result
+    return None, None
 
 
 def advice(memory: Memory, n_devices: int, fix: dict | None) -> str:
@@ -143,5 +145,5 @@ def check(job: Job, cfg: Config, devices: list) -> None:
     memory, _ = measure(job, available)
     if memory.fits:
         return
-    fix = smallest_fix(cfg, devices, available)
+    fix, _ = smallest_fix(cfg, len(devices), lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0])
     raise DoesNotFit(f"{advice(memory, len(devices), fix)} `podtrain plan` with --target shows where the memory goes.")
