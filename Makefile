@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test clean
+.PHONY: train test lint format clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,14 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check podtrain tests bench
+	$(VENV)/bin/ruff check podtrain tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format podtrain tests bench
+	$(VENV)/bin/ruff check --fix podtrain tests bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -18,14 +18,20 @@ import time
 from pathlib import Path
 
 import jax
-
 from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.digest import checksums
 from podtrain.train.job import build
 
-MODEL = ["model.d_model=640", "model.n_layers=10", "model.n_heads=10", "model.n_kv_heads=10", "model.d_ff=1920", "model.max_seq_len=64"]
+MODEL = [
+    "model.d_model=640",
+    "model.n_layers=10",
+    "model.n_heads=10",
+    "model.n_kv_heads=10",
+    "model.d_ff=1920",
+    "model.max_seq_len=64",
+]
 TRAIN = ["train.seq_len=64", "train.batch_size=2", "model.compute_dtype=float32", "device_type=cpu"]
 
 
@@ -55,7 +61,9 @@ def main() -> None:
     state, _ = job.step(job.init_state(0), job.task.batches[0])  # compile outside the timings
     saves = args.steps // args.every
     gib = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in state.items() if k != "step"})) / 2**30
-    print(f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); {args.steps} steps, a save every {args.every}")
+    print(
+        f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); {args.steps} steps, a save every {args.every}"
+    )
 
     checksums({k: v for k, v in state.items() if k != "step"})  # compile the checksums outside the timings too
 
@@ -64,16 +72,28 @@ def main() -> None:
         times = {"none": [], "sync": [], "async": []}
         for repeat in range(args.repeats):  # alternated, so that drifts in the machine's speed hit all three
             for mode in times:
-                checkpointer = Checkpointer(folder / f"{mode}{repeat}", keep=2, async_save=mode == "async") if mode != "none" else None
+                checkpointer = (
+                    Checkpointer(folder / f"{mode}{repeat}", keep=2, async_save=mode == "async")
+                    if mode != "none"
+                    else None
+                )
                 times[mode].append(run(job, args.steps, args.every, checkpointer))
                 if checkpointer:
                     checkpointer.close()
         base = statistics.median(times["none"])
         step = base / args.steps
-        print(f"step without saving: {step * 1e3:.0f} ms (runs of {args.steps} steps: " + ", ".join(f"{t:.2f}" for t in times["none"]) + " s)")
+        print(
+            f"step without saving: {step * 1e3:.0f} ms (runs of {args.steps} steps: "
+            + ", ".join(f"{t:.2f}" for t in times["none"])
+            + " s)"
+        )
         stall = {mode: (statistics.median(times[mode]) - base) / saves for mode in ("sync", "async")}
         for mode in ("sync", "async"):
-            print(f"{mode:>5} save: stall {stall[mode] * 1e3:6.0f} ms per save = {stall[mode] / step:5.2f} steps; {stall[mode] / args.every * 1e3:5.0f} ms per step (runs: " + ", ".join(f"{t:.2f}" for t in times[mode]) + " s)")
+            print(
+                f"{mode:>5} save: stall {stall[mode] * 1e3:6.0f} ms per save = {stall[mode] / step:5.2f} steps; {stall[mode] / args.every * 1e3:5.0f} ms per step (runs: "
+                + ", ".join(f"{t:.2f}" for t in times[mode])
+                + " s)"
+            )
         print(f"async / sync stall: {stall['async'] / stall['sync']:.2f}")
         start = time.perf_counter()
         checksums({k: v for k, v in state.items() if k != "step"})
@@ -89,7 +109,9 @@ def main() -> None:
         checksums({k: v for k, v in restored.items() if k != "step"})
         verify = time.perf_counter() - start
         checkpointer.close()
-        print(f"restore of step {int(restored['step'])}: {restore:.2f} s = {restore / step:.1f} steps, of which the checksums {verify:.2f} s ({verify / restore:.0%})")
+        print(
+            f"restore of step {int(restored['step'])}: {restore:.2f} s = {restore / step:.1f} steps, of which the checksums {verify:.2f} s ({verify / restore:.0%})"
+        )
     finally:
         shutil.rmtree(folder)
 

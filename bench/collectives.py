@@ -20,7 +20,6 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-
 from podtrain.config import load_config, resolve_auto  # noqa: E402
 from podtrain.runtime.hlo import KINDS, collectives, summary  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
@@ -52,10 +51,18 @@ def main() -> None:
     if args.config and "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], None
     print(f"{args.config or 'default model'} {' '.join(args.overrides)}")
-    print(f"{'mesh':>7} " + " ".join(f"{k + ' MiB':>20}" for k in KINDS) + f" {'args MiB':>10} {'temp MiB':>10} {'ms/step':>9} {'x 1 device':>10}")
+    print(
+        f"{'mesh':>7} "
+        + " ".join(f"{k + ' MiB':>20}" for k in KINDS)
+        + f" {'args MiB':>10} {'temp MiB':>10} {'ms/step':>9} {'x 1 device':>10}"
+    )
     reference = None
     for shape in MESHES:
-        overrides = ["device_type=cpu", *args.overrides, *(f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape))]
+        overrides = [
+            "device_type=cpu",
+            *args.overrides,
+            *(f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape)),
+        ]
         cfg = resolve_auto(load_config(args.config, overrides), "cpu")
         mesh = build_mesh(cfg.mesh, jax.devices()[: shape[0] * shape[1] * shape[2]])
         compiled = compile_step(cfg, mesh)
@@ -65,7 +72,12 @@ def main() -> None:
             step = seconds_per_step(cfg, mesh, args.steps)
             reference = reference or step
             timing = f" {step * 1e3:9.1f} {step / reference:10.2f}"
-        print(f"{'x'.join(map(str, shape)):>7} " + " ".join(f"{totals[k] / MiB:20.2f}" for k in KINDS) + f" {memory.argument_size_in_bytes / MiB:10.2f} {memory.temp_size_in_bytes / MiB:10.2f}" + timing)
+        print(
+            f"{'x'.join(map(str, shape)):>7} "
+            + " ".join(f"{totals[k] / MiB:20.2f}" for k in KINDS)
+            + f" {memory.argument_size_in_bytes / MiB:10.2f} {memory.temp_size_in_bytes / MiB:10.2f}"
+            + timing
+        )
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-
 from podtrain.config import load_config, resolve_auto
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.lm import LanguageTask
 from podtrain.train.job import build
+from podtrain.train.lm import LanguageTask
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 H100_STEP_TOKENS = 0.5 * 989e12 / (6 * 1.1e9)  # tokens/s of a 1.1B step at 50% MFU
@@ -76,8 +75,12 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="podtrain-data-bench-"))
     tokenizer = fit_bpe(pydoc_documents(), 4096, work / "tok")
-    manifest = prepare(Repeated("pydoc", copies=args.copies), tokenizer, work / "tokens", 0.05, shard_docs=500, quiet=True)
-    print(f"prepare: {manifest['documents']:,} documents, {manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s")
+    manifest = prepare(
+        Repeated("pydoc", copies=args.copies), tokenizer, work / "tokens", 0.05, shard_docs=500, quiet=True
+    )
+    print(
+        f"prepare: {manifest['documents']:,} documents, {manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s"
+    )
 
     data = ["data.source=tokens", f"data.path={work / 'tokens'}"]
     for recipe, extra in (("tiny.yaml", ["model.vocab_size=4096"]), ("llama_1b.yaml", [])):
@@ -90,7 +93,9 @@ def main() -> None:
         else:
             step, label = H100_STEP_TOKENS, "H100 step at 50% MFU (computed)"
         loader = "  ".join(f"{k}: {v:,.0f} tokens/s" for k, v in rates.items())
-        print(f"{recipe:14} batch {cfg.train.batch_size} x {cfg.train.seq_len}: loader {loader}  |  {label}: {step:,.0f} tokens/s  |  loader/step {max(rates.values()) / step:.1f}x")
+        print(
+            f"{recipe:14} batch {cfg.train.batch_size} x {cfg.train.seq_len}: loader {loader}  |  {label}: {step:,.0f} tokens/s  |  loader/step {max(rates.values()) / step:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -37,22 +37,33 @@ def model_config(preset: str, max_seq_len: int = 2048):
     from podtrain.config import load_config
 
     d, layers, heads, kv, ff, vocab, tied = PRESETS[preset]
-    keys = dict(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv, d_ff=ff, vocab_size=vocab, tie_embeddings=tied, max_seq_len=max_seq_len)
-    return load_config(None, [f"model.{k}={v}" for k, v in keys.items()] + [f"train.seq_len={min(256, max_seq_len)}", "mesh.data=1", "model.compute_dtype=float32"])
+    keys = dict(
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=ff,
+        vocab_size=vocab,
+        tie_embeddings=tied,
+        max_seq_len=max_seq_len,
+    )
+    return load_config(
+        None,
+        [f"model.{k}={v}" for k, v in keys.items()]
+        + [f"train.seq_len={min(256, max_seq_len)}", "mesh.data=1", "model.compute_dtype=float32"],
+    )
 
 
 def write_checkpoint(preset: str, folder: Path) -> dict:
     """A random bf16 LlamaForCausalLM checkpoint in `folder`, tensor by tensor from podtrain's map."""
+    import jax
     import ml_dtypes
     import numpy as np
-    from safetensors.numpy import save_file
-
-    import jax
     from flax import nnx
-
     from podtrain.models import build_model
     from podtrain.train.digest import leaf_name
     from podtrain.train.hf import TENSORS, _hf_shape, _names, _one, hf_config
+    from safetensors.numpy import save_file
 
     cfg = model_config(preset).model
     abstract = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))))
@@ -60,7 +71,9 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         name = leaf_name(path)
         for hf_name in _names(name, cfg.n_layers):
-            tensors[hf_name] = (0.02 * rng.standard_normal(_hf_shape(_one(name, leaf.shape), TENSORS[name][1]), np.float32)).astype(ml_dtypes.bfloat16)
+            tensors[hf_name] = (
+                0.02 * rng.standard_normal(_hf_shape(_one(name, leaf.shape), TENSORS[name][1]), np.float32)
+            ).astype(ml_dtypes.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg, None, "bfloat16")))
@@ -99,12 +112,11 @@ def naive_load(folder: str) -> None:
     """The reference: every tensor in memory first, then placed as podtrain's params."""
     import jax
     import numpy as np
-    from safetensors.numpy import load_file
-
     from podtrain import runtime
     from podtrain.config import load_config, resolve_auto
     from podtrain.train.hf import TENSORS, _names, model_keys
     from podtrain.train.state import model_fns
+    from safetensors.numpy import load_file
 
     keys = model_keys(json.loads((Path(folder) / "config.json").read_text()), folder)
     cfg = load_config(None, [f"model.{k}={v}" for k, v in keys.items()] + ["train.seq_len=256", "mesh.data=1"])
@@ -127,20 +139,31 @@ def convert(args) -> None:
         folder = Path(tmp) / "hf"
         sizes = write_checkpoint(args.preset, folder)
         fp32 = 4 * sizes["params"]
-        print(f"{args.preset}: {sizes['params'] / 1e9:.2f}B params, {fp32 / 2**30:.2f} GiB in float32, largest tensor {sizes['largest_tensor_fp32_bytes'] / 2**20:.0f} MiB in float32")
+        print(
+            f"{args.preset}: {sizes['params'] / 1e9:.2f}B params, {fp32 / 2**30:.2f} GiB in float32, largest tensor {sizes['largest_tensor_fp32_bytes'] / 2**20:.0f} MiB in float32"
+        )
         baseline = child(["_baseline"])
         ours = child(["_import", str(folder), str(Path(tmp) / "run")])
         naive = child(["_naive", str(folder)])
-        print(f"{'':38s} {'wall':>9s}   {'peak RSS':>9s}   {'peak anonymous':>14s}   {'anonymous above baseline + model':>32s}")
-        for name, r in (("jax + podtrain imported (baseline)", baseline), ("podtrain convert --from-hf", ours), ("load_file whole, then place", naive)):
+        print(
+            f"{'':38s} {'wall':>9s}   {'peak RSS':>9s}   {'peak anonymous':>14s}   {'anonymous above baseline + model':>32s}"
+        )
+        for name, r in (
+            ("jax + podtrain imported (baseline)", baseline),
+            ("podtrain convert --from-hf", ours),
+            ("load_file whole, then place", naive),
+        ):
             above = (r["peak_anonymous"] - baseline["peak_anonymous"] - fp32) / 2**30
-            print(f"{name:38s} {r['seconds']:7.1f} s   {r['peak_rss'] / 2**30:5.2f} GiB   {r['peak_anonymous'] / 2**30:10.2f} GiB   {above:+28.2f} GiB")
-        print(f"peak anonymous memory ratio, podtrain/naive: {ours['peak_anonymous'] / naive['peak_anonymous']:.2f}; peak RSS ratio: {ours['peak_rss'] / naive['peak_rss']:.2f}")
+            print(
+                f"{name:38s} {r['seconds']:7.1f} s   {r['peak_rss'] / 2**30:5.2f} GiB   {r['peak_anonymous'] / 2**30:10.2f} GiB   {above:+28.2f} GiB"
+            )
+        print(
+            f"peak anonymous memory ratio, podtrain/naive: {ours['peak_anonymous'] / naive['peak_anonymous']:.2f}; peak RSS ratio: {ours['peak_rss'] / naive['peak_rss']:.2f}"
+        )
 
 
 def generate(args) -> None:
     import jax
-
     from podtrain.runtime.mesh import build_mesh
     from podtrain.train.sample import cached_tokens, window_tokens
     from podtrain.train.state import model_fns
@@ -158,7 +181,9 @@ def generate(args) -> None:
         fn(fns, params, prompt, n, 0.0, args.window, 0)
         rates[name] = n / (time.perf_counter() - start)
         print(f"{name:9s} {n:4d} tokens: {rates[name]:8.2f} tokens/s (first call with compile {compile_s:.1f} s)")
-    print(f"ratio KV cache / no cache: {rates['KV cache'] / rates['no cache']:.1f}x  (135M shape, window {args.window}, {jax.devices()[0].platform})")
+    print(
+        f"ratio KV cache / no cache: {rates['KV cache'] / rates['no cache']:.1f}x  (135M shape, window {args.window}, {jax.devices()[0].platform})"
+    )
 
 
 def phase(name: str, argv: list[str]) -> None:
@@ -166,7 +191,6 @@ def phase(name: str, argv: list[str]) -> None:
     sampler.start()
     if name == "_baseline":
         import jax
-
         import podtrain.train.hf  # noqa: F401
 
         jax.devices()

@@ -40,9 +40,24 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        common = ["device_type=cpu", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"train.steps={args.steps}", "train.log_every=10", "train.eval_every=100000", "train.eval_batches=1", "checkpoint.every=100000", "train.sample_tokens=0", *args.overrides]
+        common = [
+            "device_type=cpu",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            f"train.steps={args.steps}",
+            "train.log_every=10",
+            "train.eval_every=100000",
+            "train.eval_batches=1",
+            "checkpoint.every=100000",
+            "train.sample_tokens=0",
+            *args.overrides,
+        ]
         run(["train", *common, f"run_dir={tmp}/one"], devices=8)
-        out = run(["launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *common, f"run_dir={tmp}/two"], devices=4)
+        out = run(
+            ["launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *common, f"run_dir={tmp}/two"],
+            devices=4,
+        )
         one, two = mean_step_time(Path(tmp, "one")), mean_step_time(Path(tmp, "two"))
     joins = [float(s) for s in re.findall(r"joined \S+ in ([0-9.]+) s", out)]
     print(f"mesh data=2 fsdp=2 tensor=2, {args.steps} steps, {' '.join(args.overrides) or 'default model'}")

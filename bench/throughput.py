@@ -32,7 +32,6 @@ import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from podtrain.config import load_config, resolve_auto
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.hardware import peak_flops
@@ -42,15 +41,38 @@ from podtrain.train.job import build
 
 PRESETS = {
     # The 3.3M-parameter Llama of the CPU comparison.
-    "cpu": ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=768", "model.vocab_size=256", "train.batch_size=16", "train.seq_len=256", "model.compute_dtype=float32"],
+    "cpu": [
+        "model.d_model=256",
+        "model.n_layers=4",
+        "model.n_heads=8",
+        "model.n_kv_heads=4",
+        "model.d_ff=768",
+        "model.vocab_size=256",
+        "train.batch_size=16",
+        "train.seq_len=256",
+        "model.compute_dtype=float32",
+    ],
     "1b": ["configs/llama_1b.yaml"],
 }
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64", "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=8"]
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.batch_size=8",
+]
 
 
 def podtrain_config(preset: str, tiny: bool, overrides: list[str]):
     recipe = PRESETS[preset][0] if preset == "1b" else None
-    keys = [k for k in PRESETS[preset] if "=" in k] + (TINY if tiny else []) + ["train.sample_tokens=0", "compile_cache=off", *overrides]
+    keys = (
+        [k for k in PRESETS[preset] if "=" in k]
+        + (TINY if tiny else [])
+        + ["train.sample_tokens=0", "compile_cache=off", *overrides]
+    )
     cfg = load_config(recipe, keys)
     return resolve_auto(cfg, select_devices(cfg.device_type)[0].platform)
 
@@ -88,7 +110,10 @@ class TorchLlama(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         for _ in range(m.n_layers):
             layer = torch.nn.Module()
-            layer.attn_norm, layer.mlp_norm = torch.nn.RMSNorm(m.d_model, eps=m.norm_eps), torch.nn.RMSNorm(m.d_model, eps=m.norm_eps)
+            layer.attn_norm, layer.mlp_norm = (
+                torch.nn.RMSNorm(m.d_model, eps=m.norm_eps),
+                torch.nn.RMSNorm(m.d_model, eps=m.norm_eps),
+            )
             layer.wqkv = weight((m.n_heads + 2 * m.n_kv_heads) * head_dim, m.d_model)
             layer.wo = weight(m.d_model, m.d_model, s=out_std)
             layer.w_gate_up = weight(2 * m.d_ff, m.d_model)
@@ -110,7 +135,9 @@ class TorchLlama(torch.nn.Module):
         hd = m.d_model // m.n_heads
         x = F.embedding(tokens, self.embed)
         for layer in self.layers:
-            q, k, v = F.linear(layer.attn_norm(x), layer.wqkv).split([m.n_heads * hd, m.n_kv_heads * hd, m.n_kv_heads * hd], dim=-1)
+            q, k, v = F.linear(layer.attn_norm(x), layer.wqkv).split(
+                [m.n_heads * hd, m.n_kv_heads * hd, m.n_kv_heads * hd], dim=-1
+            )
             q, k, v = (y.view(b, t, -1, hd).transpose(1, 2) for y in (q, k, v))  # (B, H, T, hd)
             out = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=True)
             x = x + F.linear(out.transpose(1, 2).reshape(b, t, m.d_model), layer.wo)
@@ -128,8 +155,15 @@ class TorchSide:
         self.model = TorchLlama(m).to(device)
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         rest = [p for p in self.model.parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), fused=self.gpu)
-        lrs = np.asarray(jax.vmap(optim.schedule(t))(np.arange(n_steps)))  # podtrain's warmup and decay, looked up per step
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            fused=self.gpu,
+        )
+        lrs = np.asarray(
+            jax.vmap(optim.schedule(t))(np.arange(n_steps))
+        )  # podtrain's warmup and decay, looked up per step
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: lrs[min(step, n_steps - 1)] / t.lr)
         self.windows = torch.tensor(windows, dtype=torch.long, device=device)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[m.compute_dtype]
@@ -172,8 +206,10 @@ def throughput(cfg, repeats: int, steps: int, warmup: int) -> None:
     flops = ours.job.flops_per_step
     peak = peak_flops(ours.devices[0])
     peak = peak * len(ours.devices) if peak else None
-    print(f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}; {ours.job.setup.fns.n_params / 1e6:.2f}M params, "
-          f"batch {cfg.train.batch_size} x {cfg.train.seq_len}, {cfg.model.compute_dtype}; reference: PyTorch {torch.__version__} {'torch.compile' if ref.gpu else 'eager'}, {torch.get_num_threads()} threads")
+    print(
+        f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}; {ours.job.setup.fns.n_params / 1e6:.2f}M params, "
+        f"batch {cfg.train.batch_size} x {cfg.train.seq_len}, {cfg.model.compute_dtype}; reference: PyTorch {torch.__version__} {'torch.compile' if ref.gpu else 'eager'}, {torch.get_num_threads()} threads"
+    )
     first = ours.steps(warmup), ref.steps(warmup)
     print(f"loss after {warmup} warmup steps: podtrain {first[0]:.4f}, reference {first[1]:.4f}")
     ratios = []
@@ -181,8 +217,12 @@ def throughput(cfg, repeats: int, steps: int, warmup: int) -> None:
         a, b = timed(ours, steps), timed(ref, steps)
         ratios.append(b / a)
         mfu = f"  mfu {flops / a / peak:.1%} / {flops / b / peak:.1%}" if peak else ""
-        print(f"repeat {r + 1}: podtrain {tokens / a:,.0f} tokens/s, reference {tokens / b:,.0f} tokens/s{mfu}  ratio {b / a:.3f}")
-    print(f"ratio podtrain/reference: min {min(ratios):.3f}  median {statistics.median(ratios):.3f}  max {max(ratios):.3f}")
+        print(
+            f"repeat {r + 1}: podtrain {tokens / a:,.0f} tokens/s, reference {tokens / b:,.0f} tokens/s{mfu}  ratio {b / a:.3f}"
+        )
+    print(
+        f"ratio podtrain/reference: min {min(ratios):.3f}  median {statistics.median(ratios):.3f}  max {max(ratios):.3f}"
+    )
 
 
 def scaling(preset: str, overrides: list[str], steps: int) -> None:
@@ -196,10 +236,16 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
         side.steps(2)
         per_token = min(timed(side, steps) for _ in range(3)) / (cfg.train.batch_size * cfg.train.seq_len)
         one = one or per_token
-        print(f"mesh {'x'.join(map(str, shape))}: {per_token * 1e6:.1f} us/token, {one / per_token:.2f}x one device's speed")
+        print(
+            f"mesh {'x'.join(map(str, shape))}: {per_token * 1e6:.1f} us/token, {one / per_token:.2f}x one device's speed"
+        )
     for unroll in ("1", "n_layers"):
         for layers in (4, 32):
-            cfg = podtrain_config(preset, False, [*overrides, f"model.n_layers={layers}", f"model.scan_unroll={layers if unroll == 'n_layers' else 1}"])
+            cfg = podtrain_config(
+                preset,
+                False,
+                [*overrides, f"model.n_layers={layers}", f"model.scan_unroll={layers if unroll == 'n_layers' else 1}"],
+            )
             job = build(cfg, build_mesh(cfg.mesh, devices[:1]))
             clock = time.perf_counter()
             job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
@@ -215,7 +261,9 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
         clock = time.perf_counter()
         jax.block_until_ready(side.job.task.batches[i])
         place.append(time.perf_counter() - clock)
-    print(f"host per step, device idle: dispatch {statistics.median(dispatch) * 1e3:.2f} ms, reading and placing a batch {statistics.median(place) * 1e3:.2f} ms (medians of {steps})")
+    print(
+        f"host per step, device idle: dispatch {statistics.median(dispatch) * 1e3:.2f} ms, reading and placing a batch {statistics.median(place) * 1e3:.2f} ms (medians of {steps})"
+    )
 
 
 def main() -> None:
@@ -225,7 +273,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="small dims, 1 step, 1 repeat: that it runs, not how fast")
-    parser.add_argument("--scaling", action="store_true", help="podtrain alone: meshes of 8 fake devices, compile time against depth, host time per step")
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="podtrain alone: meshes of 8 fake devices, compile time against depth, host time per step",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.tiny:

@@ -32,7 +32,9 @@ def _doctor(args) -> None:
 def _sudoku(args) -> None:
     from podtrain.data import sudoku
 
-    meta = sudoku.build(args.out, args.source, args.train, args.test, args.givens, args.min_rating, args.augment, args.seed, args.csv)
+    meta = sudoku.build(
+        args.out, args.source, args.train, args.test, args.givens, args.min_rating, args.augment, args.seed, args.csv
+    )
     print(f"[podtrain] wrote {meta['train']:,} train and {meta['test']:,} test puzzles ({args.source}) to {args.out}")
 
 
@@ -49,7 +51,9 @@ def _tokenizer(args) -> None:
 
     documents = itertools.chain.from_iterable(corpus.documents() for corpus in _corpus(args))
     tokenizer = fit_bpe(itertools.islice(documents, args.max_documents), args.vocab_size, args.out)
-    print(f"[podtrain] wrote {args.out}/tokenizer.json: byte-level BPE, {tokenizer.vocab_size:,} tokens, EOS {tokenizer.eos_id}")
+    print(
+        f"[podtrain] wrote {args.out}/tokenizer.json: byte-level BPE, {tokenizer.vocab_size:,} tokens, EOS {tokenizer.eos_id}"
+    )
 
 
 def _prepare(args) -> None:
@@ -61,7 +65,9 @@ def _prepare(args) -> None:
     from podtrain.data.tokenizer import load_tokenizer
 
     if len(args.input) != 1:
-        raise ConfigError("data prepare reads one --input (a file, a folder or a hub dataset); put several files in one folder.")
+        raise ConfigError(
+            "data prepare reads one --input (a file, a folder or a hub dataset); put several files in one folder."
+        )
     m = prepare(_corpus(args)[0], load_tokenizer(args.tokenizer), args.out, args.val_fraction, args.shard_docs)
     rate = f", {m['tokens_per_sec']:,.0f} tokens/s" if m.get("tokens_per_sec") else ""
     print(
@@ -75,18 +81,29 @@ def _launch(args) -> int:
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     if not command:
-        raise ConfigError("Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`.")
-    log_dir = args.log_dir or (Path(_config(_parse(command)).run_dir) / "logs" if command[0] == "train" else "runs/launch")
+        raise ConfigError(
+            "Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`."
+        )
+    log_dir = args.log_dir or (
+        Path(_config(_parse(command)).run_dir) / "logs" if command[0] == "train" else "runs/launch"
+    )
     if command[0] in COMMANDS:
         command = [sys.executable, "-m", "podtrain", *command]
-    return launch(command, args.nproc, Path(log_dir), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator)
+    return launch(
+        command, args.nproc, Path(log_dir), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator
+    )
 
 
 def _generate(args) -> None:
     from podtrain.train.sample import generate_from_run
 
     temperature = 0.0 if args.greedy else args.temperature
-    print(args.prompt + generate_from_run(args.run_dir, args.prompt, args.max_new_tokens, temperature, args.seed, cache=not args.no_cache))
+    print(
+        args.prompt
+        + generate_from_run(
+            args.run_dir, args.prompt, args.max_new_tokens, temperature, args.seed, cache=not args.no_cache
+        )
+    )
 
 
 def _convert(args) -> None:
@@ -95,14 +112,20 @@ def _convert(args) -> None:
     if args.from_hf:
         source, run_dir = args.from_hf
         cfg, seconds = import_hf(source, run_dir, args.overrides)
-        print(f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
-              f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, sample with `podtrain generate {run_dir}`.")
+        print(
+            f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
+            f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, sample with `podtrain generate {run_dir}`."
+        )
     else:
         if args.overrides:
-            raise ConfigError(f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides.")
+            raise ConfigError(
+                f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides."
+            )
         run_dir, out = args.to_hf
         files = export_hf(run_dir, out, args.dtype)
-        print(f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with transformers.AutoModelForCausalLM.from_pretrained({out!r}).")
+        print(
+            f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with transformers.AutoModelForCausalLM.from_pretrained({out!r})."
+        )
 
 
 def _plan(args) -> int:
@@ -146,7 +169,9 @@ def _checkpoints(args) -> None:
             print(f"{row['step']:>12}  set aside as damaged")
         else:
             state = "verified" if row["verified"] else f"DAMAGED: {row['problem']}"
-            print(f"{row['step']:>12}  {row['time']}  {row['bytes'] / 2**20:9.2f} MiB  {row['digest'] or '-':16}  {state}")
+            print(
+                f"{row['step']:>12}  {row['time']}  {row['bytes'] / 2**20:9.2f} MiB  {row['digest'] or '-':16}  {state}"
+            )
 
 
 def _plot(args) -> None:
@@ -165,10 +190,16 @@ class _Alias(argparse.Action):
 def parser() -> argparse.ArgumentParser:
     from podtrain.config import FLAG_ALIASES
 
-    p = argparse.ArgumentParser(prog="podtrain", description="One config, any device: JAX training from a laptop CPU to a TPU pod.")
+    p = argparse.ArgumentParser(
+        prog="podtrain", description="One config, any device: JAX training from a laptop CPU to a TPU pod."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train (or resume) a model", description="Train from CONFIG.yaml (default: the embedded tiny job) with key=value overrides, e.g. train.steps=100 mesh.fsdp=2.")
+    t = sub.add_parser(
+        "train",
+        help="train (or resume) a model",
+        description="Train from CONFIG.yaml (default: the embedded tiny job) with key=value overrides, e.g. train.steps=100 mesh.fsdp=2.",
+    )
     t.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     t.set_defaults(func=_train, flags={})
@@ -183,27 +214,57 @@ def parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="build datasets")
     kinds = da.add_subparsers(dest="dataset", required=True)
-    su = kinds.add_parser("sudoku", help="Sudoku train/test sets: generated offline, or Sudoku-Extreme from the HF hub or local CSVs")
+    su = kinds.add_parser(
+        "sudoku", help="Sudoku train/test sets: generated offline, or Sudoku-Extreme from the HF hub or local CSVs"
+    )
     su.add_argument("--out", required=True, help="output folder (train.npz, test.npz, meta.json)")
-    su.add_argument("--source", choices=("generate", "hub", "csv"), default="generate", help="generate puzzles here (default), download sapientinc/sudoku-extreme, or read --csv")
+    su.add_argument(
+        "--source",
+        choices=("generate", "hub", "csv"),
+        default="generate",
+        help="generate puzzles here (default), download sapientinc/sudoku-extreme, or read --csv",
+    )
     su.add_argument("--csv", help="folder with train.csv and test.csv in the Sudoku-Extreme format (for --source csv)")
     su.add_argument("--train", type=int, default=1000, help="training puzzles before augmentation")
     su.add_argument("--test", type=int, default=200, help="test puzzles")
-    su.add_argument("--givens", type=int, default=30, help="clues per generated puzzle (more is easier; unique puzzles need >= 17)")
-    su.add_argument("--min-rating", type=int, default=0, help="keep puzzles whose solver backtracks at least this often (harder)")
+    su.add_argument(
+        "--givens", type=int, default=30, help="clues per generated puzzle (more is easier; unique puzzles need >= 17)"
+    )
+    su.add_argument(
+        "--min-rating", type=int, default=0, help="keep puzzles whose solver backtracks at least this often (harder)"
+    )
     su.add_argument("--augment", type=int, default=0, help="augmented copies of each training puzzle")
     su.add_argument("--seed", type=int, default=0)
     su.set_defaults(func=_sudoku)
 
     def corpus_options(command, many: bool):
-        command.add_argument("--input", required=True, nargs="+" if many else 1, help="corpus: .txt/.md/.jsonl/.json/.parquet files or folders, a `datasets.save_to_disk` folder, or a hub dataset name")
-        command.add_argument("--text-field", default="text", help="the field (JSON) or column (Parquet, datasets) holding the text")
-        command.add_argument("--dataset-name", help="the config of a hub dataset (e.g. cosmopedia-v2); with a local folder, read it as a hub dataset's layout")
+        command.add_argument(
+            "--input",
+            required=True,
+            nargs="+" if many else 1,
+            help="corpus: .txt/.md/.jsonl/.json/.parquet files or folders, a `datasets.save_to_disk` folder, or a hub dataset name",
+        )
+        command.add_argument(
+            "--text-field", default="text", help="the field (JSON) or column (Parquet, datasets) holding the text"
+        )
+        command.add_argument(
+            "--dataset-name",
+            help="the config of a hub dataset (e.g. cosmopedia-v2); with a local folder, read it as a hub dataset's layout",
+        )
         command.add_argument("--split", default="train", help="the split of a hub or saved dataset")
 
-    to = kinds.add_parser("tokenizer", help="fit a byte-level BPE tokenizer on a local corpus", description="Writes OUT/tokenizer.json and tokenizer_config.json, which `data.tokenizer=OUT` and transformers.AutoTokenizer load.")
+    to = kinds.add_parser(
+        "tokenizer",
+        help="fit a byte-level BPE tokenizer on a local corpus",
+        description="Writes OUT/tokenizer.json and tokenizer_config.json, which `data.tokenizer=OUT` and transformers.AutoTokenizer load.",
+    )
     corpus_options(to, many=True)
-    to.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, including the 256 bytes and <|endoftext|>")
+    to.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        help="tokens in the vocabulary, including the 256 bytes and <|endoftext|>",
+    )
     to.add_argument("--max-documents", type=int, help="fit on at most this many documents (the first ones)")
     to.add_argument("--out", required=True, help="output folder")
     to.set_defaults(func=_tokenizer)
@@ -214,11 +275,19 @@ def parser() -> argparse.ArgumentParser:
         description="Tokenize a corpus into memory-mapped token shards and a manifest.json; an interrupted prepare continues where it stopped when rerun.",
     )
     corpus_options(pr, many=False)
-    pr.add_argument("--tokenizer", required=True, help="a folder with tokenizer.json (from `podtrain data tokenizer`) or a hub model's name (e.g. HuggingFaceTB/SmolLM-360M)")
+    pr.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a folder with tokenizer.json (from `podtrain data tokenizer`) or a hub model's name (e.g. HuggingFaceTB/SmolLM-360M)",
+    )
     pr.add_argument("--out", required=True, help="output folder")
-    pr.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents for validation (default 0.01)")
+    pr.add_argument(
+        "--val-fraction", type=float, default=0.01, help="fraction of documents for validation (default 0.01)"
+    )
     pr.add_argument("--workers", type=int, default=0, help="threads of the batch encoder (default: one per core)")
-    pr.add_argument("--shard-docs", type=int, default=20_000, help="documents per shard: the unit an interrupted prepare keeps")
+    pr.add_argument(
+        "--shard-docs", type=int, default=20_000, help="documents per shard: the unit an interrupted prepare keeps"
+    )
     pr.set_defaults(func=_prepare)
 
     la = sub.add_parser(
@@ -228,12 +297,18 @@ def parser() -> argparse.ArgumentParser:
         "stream their output with a rank prefix; stop them all if one fails.",
     )
     la.add_argument("--nproc", type=int, required=True, help="processes on this node")
-    la.add_argument("--devices-per-proc", type=int, help="fake CPU devices per process on CPU; GPUs per process on a GPU node (default: an equal share)")
+    la.add_argument(
+        "--devices-per-proc",
+        type=int,
+        help="fake CPU devices per process on CPU; GPUs per process on a GPU node (default: an equal share)",
+    )
     la.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs its own launch)")
     la.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
     la.add_argument("--coordinator", help="HOST:PORT of node 0 (default: 127.0.0.1 and a free port, for one node)")
     la.add_argument("--log-dir", help="where process_<rank>.log go (default: RUN_DIR/logs for train, else runs/launch)")
-    la.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs")
+    la.add_argument(
+        "command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs"
+    )
     la.set_defaults(func=_launch)
 
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
@@ -243,7 +318,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
-    g.add_argument("--no-cache", action="store_true", help="recompute the whole window for every token instead of keeping a key/value cache (slower; for comparison)")
+    g.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="recompute the whole window for every token instead of keeping a key/value cache (slower; for comparison)",
+    )
     g.set_defaults(func=_generate)
 
     cv = sub.add_parser(
@@ -255,8 +334,12 @@ def parser() -> argparse.ArgumentParser:
     way = cv.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", nargs=2, metavar=("SRC", "RUN_DIR"))
     way.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT_DIR"))
-    cv.add_argument("--dtype", default="bfloat16", help="dtype of the exported weights: bfloat16 (default), float16 or float32")
-    cv.add_argument("overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)")
+    cv.add_argument(
+        "--dtype", default="bfloat16", help="dtype of the exported weights: bfloat16 (default), float16 or float32"
+    )
+    cv.add_argument(
+        "overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)"
+    )
     cv.set_defaults(func=_convert)
 
     pn = sub.add_parser(
@@ -267,12 +350,22 @@ def parser() -> argparse.ArgumentParser:
     )
     pn.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     pn.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    pn.add_argument("--target", required=True, help="v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 (estimates), cpu:N")
+    pn.add_argument(
+        "--target",
+        required=True,
+        help="v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 (estimates), cpu:N",
+    )
     pn.add_argument("--json", action="store_true", help="one JSON object, for scripts")
-    pn.add_argument("--sweep", action="store_true", help="every mesh shape for the device count under each remat policy, fastest first")
+    pn.add_argument(
+        "--sweep",
+        action="store_true",
+        help="every mesh shape for the device count under each remat policy, fastest first",
+    )
     pn.set_defaults(func=_plan)
 
-    c = sub.add_parser("checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies")
+    c = sub.add_parser(
+        "checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies"
+    )
     c.add_argument("run_dir")
     c.add_argument("--json", action="store_true", help="one JSON list, for scripts")
     c.set_defaults(func=_checkpoints)

@@ -75,12 +75,16 @@ class ModelConfig:
     remat: str = "none"  # none | full | dots
     scan_unroll: int = ranged(1, ">= 1")  # layers per scan iteration; the layer count unrolls fully
     compute_dtype: str = "auto"  # auto (bfloat16 on GPU/TPU, float32 on CPU) | float32 | bfloat16
-    attention: str = "auto"  # auto (cudnn on GPU with bf16, splash on TPU, xla otherwise) | xla | cudnn | splash (Pallas, TPU)
+    attention: str = (
+        "auto"  # auto (cudnn on GPU with bf16, splash on TPU, xla otherwise) | xla | cudnn | splash (Pallas, TPU)
+    )
 
     def validate(self) -> None:
         """Relations between this family's keys; subclasses add theirs."""
         if self.d_model % self.n_heads:
-            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick sizes whose ratio is the head dimension.")
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; pick sizes whose ratio is the head dimension."
+            )
 
 
 @dataclass
@@ -219,7 +223,9 @@ def leaves(node: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, An
     found = []
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
-        found += leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [(prefix + f.name, f, value)]
+        found += (
+            leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [(prefix + f.name, f, value)]
+        )
     return found
 
 
@@ -235,15 +241,21 @@ def ranges(node: Any) -> list[tuple[str, Range, Any]]:
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist. Pass a YAML file (see configs/) or no file for the default job.")
+        raise ConfigError(
+            f"Config file {path} does not exist. Pass a YAML file (see configs/) or no file for the default job."
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"Config file {path} is not valid YAML: {e}. Fix the file (indentation and `key: value` pairs).") from None
+        raise ConfigError(
+            f"Config file {path} is not valid YAML: {e}. Fix the file (indentation and `key: value` pairs)."
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"Config file {path} must hold a mapping of keys (like `train: {{steps: 100}}`), not a {type(data).__name__}.")
+        raise ConfigError(
+            f"Config file {path} must hold a mapping of keys (like `train: {{steps: 100}}`), not a {type(data).__name__}."
+        )
     return data
 
 
@@ -255,12 +267,16 @@ def mesh_from_env(environ=os.environ) -> list[str]:
     names = environ.get("TPU_AXIS_NAMES", "data,fsdp,tensor").split(",")
     sizes = sizes.split(",")
     if len(names) != len(sizes):
-        raise ConfigError(f"TPU_MESH_CONFIG={','.join(sizes)} has {len(sizes)} sizes but TPU_AXIS_NAMES has {len(names)} names; give one name per size.")
+        raise ConfigError(
+            f"TPU_MESH_CONFIG={','.join(sizes)} has {len(sizes)} sizes but TPU_AXIS_NAMES has {len(names)} names; give one name per size."
+        )
     overrides = []
     for name, size in zip(names, sizes):
         axis = MESH_AXIS_ALIASES.get(name.strip())
         if axis is None:
-            raise ConfigError(f"TPU_AXIS_NAMES names an unknown mesh axis `{name}`; use data, fsdp and tensor (or its aliases model, tp).")
+            raise ConfigError(
+                f"TPU_AXIS_NAMES names an unknown mesh axis `{name}`; use data, fsdp and tensor (or its aliases model, tp)."
+            )
         overrides.append(f"mesh.{axis}={size.strip()}")
     return overrides
 
@@ -281,10 +297,14 @@ def _merge(defaults: Config, layers: list[Any]) -> Config:
         key = e.full_key or str(e.key)
         match = difflib.get_close_matches(key, all_keys(defaults), n=1, cutoff=0.5)
         hint = f" Did you mean `{match[0]}`?" if match else ""
-        raise ConfigError(f"Unknown config key `{key}` for model.name={defaults.model.name}.{hint} The README lists the keys of each model.") from None
+        raise ConfigError(
+            f"Unknown config key `{key}` for model.name={defaults.model.name}.{hint} The README lists the keys of each model."
+        ) from None
     except ValidationError as e:
         expected = type(OmegaConf.select(schema, e.full_key)).__name__ if e.full_key else "?"
-        raise ConfigError(f"Config key `{e.full_key}` got {e.value!r}, which is not a valid {expected}. Give a value of type {expected}.") from None
+        raise ConfigError(
+            f"Config key `{e.full_key}` got {e.value!r}, which is not a valid {expected}. Give a value of type {expected}."
+        ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"Invalid config: {e.msg}") from None
 
@@ -302,7 +322,9 @@ SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys
 SMALL_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), environ=os.environ, small_model: bool = False) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), environ=os.environ, small_model: bool = False
+) -> Config:
     """The config of `path` with `overrides`, checked against the keys of its model family.
     `small_model` swaps in the tiny job's layer sizes; the vocabulary, sequence length and
     precision stay the recipe's, so its data and train.seq_len still fit."""
@@ -338,7 +360,9 @@ def auto_vocab_size(cfg: Config) -> int:
     from podtrain.data.tokenizer import vocab_for
 
     if cfg.data.source == "sudoku":
-        raise ConfigError("model.vocab_size=auto reads a tokenizer's vocabulary; Sudoku's is fixed (11), give it as a number.")
+        raise ConfigError(
+            "model.vocab_size=auto reads a tokenizer's vocabulary; Sudoku's is fixed (11), give it as a number."
+        )
     return vocab_for(data_tokenizer(cfg.data))
 
 
@@ -347,11 +371,15 @@ def check_structure(data: dict, where: str) -> None:
     for name, value in data.items():
         section = dataclasses.is_dataclass(getattr(Config(), str(name), None))
         if section and not isinstance(value, dict):
-            raise ConfigError(f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`.")
-        for key, item in (value.items() if section else [(None, value)]):
+            raise ConfigError(
+                f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`."
+            )
+        for key, item in value.items() if section else [(None, value)]:
             full = f"{name}.{key}" if key is not None else str(name)
             if isinstance(item, (dict, list)):
-                raise ConfigError(f"Config key `{full}` in {where} must be a single value (a number, string or boolean), not `{item!r}`.")
+                raise ConfigError(
+                    f"Config key `{full}` in {where} must be a single value (a number, string or boolean), not `{item!r}`."
+                )
 
 
 def validate(cfg: Config) -> None:
@@ -363,22 +391,38 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"Config key `{key}` is {value!r}; choose one of: {', '.join(options)}.")
     for key, valid, value in ranges(cfg):
         if value not in valid:
-            raise ConfigError(f"Config key `{key}` is {value!r}, outside its valid values: {valid}, finite. Give a value in that range; the README lists each key's.")
+            raise ConfigError(
+                f"Config key `{key}` is {value!r}, outside its valid values: {valid}, finite. Give a value in that range; the README lists each key's."
+            )
     cfg.model.validate()
     t = cfg.train
     if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len.")
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower train.seq_len or raise model.max_seq_len."
+        )
     if t.batch_size % t.grad_accum:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size.")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; each microbatch must have the same size."
+        )
     if cfg.data.source in ("text", "tokens") and not cfg.data.path:
-        folder = "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)" if cfg.data.source == "text" else "DIR, a folder made by `podtrain data prepare --out DIR`"
+        folder = (
+            "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)"
+            if cfg.data.source == "text"
+            else "DIR, a folder made by `podtrain data prepare --out DIR`"
+        )
         raise ConfigError(f"data.source={cfg.data.source} needs data.path={folder}.")
     if cfg.data.source == "pydoc" and cfg.data.path:
-        raise ConfigError(f"data.path={cfg.data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens (shards from `podtrain data prepare`) or text (a local corpus).")
+        raise ConfigError(
+            f"data.path={cfg.data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens (shards from `podtrain data prepare`) or text (a local corpus)."
+        )
     if cfg.model.attention == "splash" and getattr(t, "seq_len", 1) % SPLASH_BLOCK:
-        raise ConfigError(f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of {SPLASH_BLOCK} (puzzles are not), or use model.attention=xla.")
+        raise ConfigError(
+            f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of {SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
+        )
     if cfg.data.pack == "documents" and cfg.model.attention in ("cudnn", "splash"):
-        raise ConfigError(f"data.pack=documents keeps attention inside documents with a mask, which model.attention={cfg.model.attention} does not take; use model.attention=xla (or auto).")
+        raise ConfigError(
+            f"data.pack=documents keeps attention inside documents with a mask, which model.attention={cfg.model.attention} does not take; use model.attention=xla (or auto)."
+        )
     if cfg.data.source == "sudoku" and not cfg.data.path:
         raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
 
@@ -398,7 +442,9 @@ def run_config(run_dir: str | Path) -> Config:
     """The config a run was trained with, from RUN_DIR/config.yaml."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run.")
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
+        )
     return load_config(path)
 
 
@@ -412,7 +458,11 @@ def _flat(node: dict, prefix: str = "") -> dict:
 def differences(path: str | Path, cfg: Config) -> list[str]:
     """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
     old, new = _flat(yaml.safe_load(Path(path).read_text()) or {}), _flat(yaml.safe_load(to_yaml(cfg)))
-    return [f"{key} ({old.get(key)} there, {new.get(key)} here)" for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+    return [
+        f"{key} ({old.get(key)} there, {new.get(key)} here)"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    ]
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:

@@ -15,8 +15,16 @@ import pytest  # noqa: E402
 
 # A model small enough for 2 CPU cores, with grouped-query attention (n_kv_heads < n_heads).
 SMALL = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
-    "model.max_seq_len=32", "train.seq_len=32", "train.batch_size=8", "model.compute_dtype=float32", "device_type=cpu",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=64",
+    "model.max_seq_len=32",
+    "train.seq_len=32",
+    "train.batch_size=8",
+    "model.compute_dtype=float32",
+    "device_type=cpu",
 ]
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-
 from podtrain.config import MeshConfig
 from podtrain.data.loader import BatchReader, train_windows
 from podtrain.runtime import distributed
@@ -27,6 +26,8 @@ read = {}
 for step in range(STEPS):
     read[step] = reader.ids(step).ravel().tolist()
     whole = multihost_utils.process_allgather(reader[step], tiled=True)
-    expected = np.stack([windows[step * ACCUM * MICRO + i] for i in range(ACCUM * MICRO)]).reshape(ACCUM, MICRO, SEQ + 1)
+    expected = np.stack([windows[step * ACCUM * MICRO + i] for i in range(ACCUM * MICRO)]).reshape(
+        ACCUM, MICRO, SEQ + 1
+    )
     np.testing.assert_array_equal(whole, expected)
 Path(sys.argv[1], f"process_{jax.process_index()}.json").write_text(json.dumps(read))

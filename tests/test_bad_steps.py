@@ -4,8 +4,6 @@ checkpoint, and train.max_bad_steps of them in a row stop the run."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import trainer
-
 from podtrain.cli import main
 from podtrain.config import MeshConfig, load_config
 from podtrain.runtime.mesh import build_mesh
@@ -13,6 +11,8 @@ from podtrain.train import lm
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
 from podtrain.train.state import model_fns
+
+from helpers import trainer
 
 
 def poisoned_loss(model, carry, tokens, key):
@@ -29,13 +29,25 @@ def test_a_non_finite_step_leaves_the_state_unchanged_but_the_step(small_overrid
     monkeypatch.setattr(lm.LanguageTask, "loss_fn", staticmethod(poisoned_loss))
     state, metrics = jax.device_get(trainer([*small_overrides, "mesh.data=2"], n_devices=2)[1](state, batches[1]))
     assert bool(metrics["skipped"]) and np.isnan(metrics["loss"]) and int(state["step"]) == 2
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), {k: v for k, v in state.items() if k != "step"}, before)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, b), {k: v for k, v in state.items() if k != "step"}, before
+    )
 
 
 def test_max_bad_steps_in_a_row_stop_with_only_finite_checkpoints(small_overrides, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(lm.LanguageTask, "loss_fn", staticmethod(poisoned_loss))
     run = tmp_path / "run"
-    args = [*small_overrides, f"run_dir={run}", "train.steps=10", "train.log_every=1", "checkpoint.every=1", "checkpoint.async_save=false", "train.eval_every=0", "train.eval_batches=1", "train.max_bad_steps=2"]
+    args = [
+        *small_overrides,
+        f"run_dir={run}",
+        "train.steps=10",
+        "train.log_every=1",
+        "checkpoint.every=1",
+        "checkpoint.async_save=false",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.max_bad_steps=2",
+    ]
     assert main(["train", *args]) == 2
     err = capsys.readouterr().err
     assert "not finite at steps 1 to 2 (train.max_bad_steps=2 in a row); those updates were skipped" in err
@@ -46,4 +58,8 @@ def test_max_bad_steps_in_a_row_stop_with_only_finite_checkpoints(small_override
     checkpointer = Checkpointer(run / "checkpoints")
     saved = checkpointer.restore({"params": fns.abstract_params})["params"]
     checkpointer.close()
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), jax.device_get(saved), jax.device_get(fns.init(jax.random.key(cfg.seed))))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(a, b),
+        jax.device_get(saved),
+        jax.device_get(fns.init(jax.random.key(cfg.seed))),
+    )

@@ -10,9 +10,6 @@ import time
 
 import jax
 import numpy as np
-from conftest import SMALL
-from test_multihost import CLEAN_ENV
-
 from podtrain.config import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -20,8 +17,20 @@ from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
+from conftest import SMALL
+from test_multihost import CLEAN_ENV
+
 STEPS = 30
-ARGS = [*SMALL, f"train.steps={STEPS}", "train.ema=0.9", "train.log_every=1", "checkpoint.every=2", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]
+ARGS = [
+    *SMALL,
+    f"train.steps={STEPS}",
+    "train.ema=0.9",
+    "train.log_every=1",
+    "checkpoint.every=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+]
 
 
 def _listing(checkpoints) -> tuple[set[int], bool]:
@@ -35,7 +44,12 @@ def _run(run, kill_after: int | None, delay: float) -> tuple[int | None, bool]:
     a checkpoint at or past that step is complete (often during the next save).
     Returns (its exit code, or None if killed; whether a save was under way at the kill)."""
     with open(run.parent / "chaos.log", "a") as log:
-        process = subprocess.Popen([sys.executable, "-m", "podtrain", "train", *ARGS, f"run_dir={run}"], env={**CLEAN_ENV, "XLA_FLAGS": os.environ["XLA_FLAGS"]}, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "podtrain", "train", *ARGS, f"run_dir={run}"],
+            env={**CLEAN_ENV, "XLA_FLAGS": os.environ["XLA_FLAGS"]},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     while process.poll() is None:
         if kill_after is not None and max(_listing(run / "checkpoints")[0], default=0) >= kill_after:
             time.sleep(delay)

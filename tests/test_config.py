@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from podtrain.cli import parser
 from podtrain.config import MeshConfig, default_config, load_config, mesh_from_env, resolve_auto, save_config
 from podtrain.errors import ConfigError, MeshError
@@ -41,17 +40,41 @@ def test_small_model_fits_every_recipe(recipe):
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.d_ff) == (128, 4, 384)
     if hasattr(cfg.model, "n_layers"):
         assert (cfg.model.n_layers, cfg.model.n_kv_heads) == (4, 2)
-    assert (cfg.model.vocab_size, cfg.model.max_seq_len, cfg.train) == (recipe_cfg.model.vocab_size, recipe_cfg.model.max_seq_len, recipe_cfg.train)
+    assert (cfg.model.vocab_size, cfg.model.max_seq_len, cfg.train) == (
+        recipe_cfg.model.vocab_size,
+        recipe_cfg.model.max_seq_len,
+        recipe_cfg.train,
+    )
 
 
 def test_each_family_has_only_its_keys():
     from podtrain.config import all_keys
 
-    keys = {name: {k for k in all_keys(default_config(name)) if k.startswith(("model.", "train."))} for name in ("llama", "mhc", "hrm", "trm")}
-    assert {"model.n_layers", "model.n_kv_heads", "model.tie_embeddings", "train.seq_len", "train.sample_tokens"} <= keys["llama"]
-    assert keys["mhc"] - keys["llama"] == {"model.streams", "model.sinkhorn_iters", "model.projection", "model.alpha_init"}
+    keys = {
+        name: {k for k in all_keys(default_config(name)) if k.startswith(("model.", "train."))}
+        for name in ("llama", "mhc", "hrm", "trm")
+    }
+    assert {
+        "model.n_layers",
+        "model.n_kv_heads",
+        "model.tie_embeddings",
+        "train.seq_len",
+        "train.sample_tokens",
+    } <= keys["llama"]
+    assert keys["mhc"] - keys["llama"] == {
+        "model.streams",
+        "model.sinkhorn_iters",
+        "model.projection",
+        "model.alpha_init",
+    }
     assert keys["hrm"] - keys["trm"] == {"model.H_layers"} and keys["trm"] - keys["hrm"] == {"model.mlp_t"}
-    ignored_before = {"model.n_layers", "model.n_kv_heads", "model.tie_embeddings", "train.seq_len", "train.sample_tokens"}
+    ignored_before = {
+        "model.n_layers",
+        "model.n_kv_heads",
+        "model.tie_embeddings",
+        "train.seq_len",
+        "train.sample_tokens",
+    }
     assert not ignored_before & (keys["hrm"] | keys["trm"])
     with pytest.raises(ConfigError, match="model.name='lama' is not a known model.*Did you mean llama"):
         load_config(None, ["model.name=lama"])
@@ -72,7 +95,19 @@ def test_tpu_mesh_env_with_aliases():
 
 
 def test_setup_guide_flags_map_to_keys():
-    args = parser().parse_args(["train", "--batch-size", "32", "--mesh-tp", "2", "--learning-rate", "1e-3", "--use-small-model", "train.steps=5"])
+    args = parser().parse_args(
+        [
+            "train",
+            "--batch-size",
+            "32",
+            "--mesh-tp",
+            "2",
+            "--learning-rate",
+            "1e-3",
+            "--use-small-model",
+            "train.steps=5",
+        ]
+    )
     assert args.flags == {"--batch-size": "32", "--mesh-tp": "2", "--learning-rate": "1e-3"}
     assert args.use_small_model and args.overrides == []
 
@@ -100,7 +135,6 @@ def recipe(name):
     """The recipe's config and its parameter count, from shapes alone."""
     import jax
     from flax import nnx
-
     from podtrain.models import build_model
 
     cfg = resolve_auto(load_config(CONFIGS / name), "cpu")
@@ -123,7 +157,9 @@ def test_recipe_has_its_reference_size(name, reference):
 
 
 def test_recipes_keep_their_setup():
-    llama, mhc, trm, pod = (load_config(CONFIGS / f) for f in ("llama_7b.yaml", "mhc_3b.yaml", "trm_sudoku.yaml", "trm_sudoku_pod.yaml"))
+    llama, mhc, trm, pod = (
+        load_config(CONFIGS / f) for f in ("llama_7b.yaml", "mhc_3b.yaml", "trm_sudoku.yaml", "trm_sudoku_pod.yaml")
+    )
     assert (llama.mesh.data, llama.mesh.fsdp, llama.mesh.tensor) == (2, 4, 2)  # v4-32: 16 chips, one JAX device each
     assert (mhc.model.vocab_size, mhc.train.batch_size, mhc.model.streams) == (49152, 32, 4)
     assert (mhc.mesh.data, mhc.mesh.fsdp, mhc.mesh.tensor) == (2, 2, 2)

@@ -9,9 +9,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL
-from helpers import run_steps
-
 from podtrain.cli import main
 from podtrain.data.loader import train_windows
 from podtrain.data.prepare import is_validation, prepare
@@ -21,7 +18,10 @@ from podtrain.data.tokens import TokenStream, load_manifest
 from podtrain.train.lm import document_ids
 from podtrain.train.metrics import read_metrics
 
-WORDS = "the cat sat on a mat while dogs ran far away from every loud noise in town".split()
+from conftest import SMALL
+from helpers import run_steps
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "every", "loud", "noise", "in", "town"]
 
 
 def documents(n: int, seed: int = 0) -> list[str]:
@@ -36,8 +36,40 @@ def corpus(tmp_path_factory) -> Path:
     with open(root / "docs.jsonl", "w") as f:
         for i, text in enumerate(documents(300)):
             f.write(json.dumps({"id": i, "text": text}) + "\n")
-    assert main(["data", "tokenizer", "--input", str(root / "docs.jsonl"), "--vocab-size", "300", "--out", str(root / "tok")]) == 0
-    assert main(["data", "prepare", "--input", str(root / "docs.jsonl"), "--tokenizer", str(root / "tok"), "--out", str(root / "shards"), "--shard-docs", "64", "--val-fraction", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "tokenizer",
+                "--input",
+                str(root / "docs.jsonl"),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(root / "tok"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(root / "docs.jsonl"),
+                "--tokenizer",
+                str(root / "tok"),
+                "--out",
+                str(root / "shards"),
+                "--shard-docs",
+                "64",
+                "--val-fraction",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     return root
 
 
@@ -82,12 +114,13 @@ def test_packing_puts_every_token_in_an_epoch_once(corpus):
     inputs = np.sort(np.concatenate([w[:-1] for w in epoch]))
     np.testing.assert_array_equal(inputs, np.sort(expected[: n * seq]))
     assert len(expected) - n * seq <= seq and len(starts) == n
-    assert not np.array_equal(np.stack([windows[i] for i in range(n)]), np.stack([windows[n + i] for i in range(n)]))  # reshuffled
+    assert not np.array_equal(
+        np.stack([windows[i] for i in range(n)]), np.stack([windows[n + i] for i in range(n)])
+    )  # reshuffled
 
 
 def test_document_mask_keeps_attention_inside_documents():
     from flax import nnx
-
     from podtrain.config import load_config
     from podtrain.models import build_model
 
@@ -106,7 +139,17 @@ def test_document_mask_keeps_attention_inside_documents():
 
 def test_train_on_prepared_tokens_with_auto_vocab(corpus, tmp_path):
     run = tmp_path / "run"
-    args = [*SMALL, "data.source=tokens", f"data.path={corpus / 'shards'}", "model.vocab_size=auto", "train.steps=4", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=4"]
+    args = [
+        *SMALL,
+        "data.source=tokens",
+        f"data.path={corpus / 'shards'}",
+        "model.vocab_size=auto",
+        "train.steps=4",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=4",
+    ]
     assert main(["train", *args, "data.pack=documents", f"run_dir={run}"]) == 0
     assert "vocab_size: 384" in (run / "config.yaml").read_text()  # 300 rounded up to 128s
     assert load_tokenizer(str(run / "tokenizer")).identity == load_tokenizer(str(corpus / "tok")).identity
@@ -131,7 +174,10 @@ def test_an_interrupted_prepare_continues(corpus, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         prepare(Interrupted(source.input), tokenizer, tmp_path / "shards", 0.1, shard_docs=64, quiet=True)
-    assert sorted(p.name for p in (tmp_path / "shards").glob("shard-*.json")) == ["shard-00000.json", "shard-00001.json"]
+    assert sorted(p.name for p in (tmp_path / "shards").glob("shard-*.json")) == [
+        "shard-00000.json",
+        "shard-00001.json",
+    ]
     with pytest.raises(Exception, match="not a folder of prepared tokens.*did not finish"):
         load_manifest(tmp_path / "shards")
     manifest = prepare(source, tokenizer, tmp_path / "shards", 0.1, shard_docs=64, quiet=True)
@@ -146,7 +192,9 @@ def test_hub_datasets_are_streamed_by_datasets(tmp_path):
     repo = tmp_path / "smollm-corpus"
     (repo / "cosmopedia-v2").mkdir(parents=True)
     (repo / "other").mkdir()
-    (repo / "cosmopedia-v2" / "train-00000.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(20)))
+    (repo / "cosmopedia-v2" / "train-00000.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in documents(20))
+    )
     (repo / "other" / "train-00000.jsonl").write_text(json.dumps({"text": "not this one"}) + "\n")
     (repo / "README.md").write_text(
         "---\nconfigs:\n- config_name: cosmopedia-v2\n  data_files:\n  - split: train\n    path: cosmopedia-v2/*.jsonl\n"
@@ -166,31 +214,56 @@ def test_bad_corpora_are_named(tmp_path, capsys, corpus):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.jsonl").write_text("")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    (tmp_path / "fields.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"content": "no text"}) + "\n")
+    (tmp_path / "fields.jsonl").write_text(
+        json.dumps({"text": "fine"}) + "\n" + json.dumps({"content": "no text"}) + "\n"
+    )
     tok = ["--tokenizer", str(corpus / "tok")]
-    assert "has no text to train on" in data_error(capsys, ["data", "prepare", "--input", str(tmp_path / "empty"), *tok, "--out", str(tmp_path / "o1")])
-    assert "latin1.txt is not UTF-8 text: byte 3 (line 1)" in data_error(capsys, ["data", "prepare", "--input", str(tmp_path / "latin1.txt"), *tok, "--out", str(tmp_path / "o2")])
-    err = data_error(capsys, ["data", "prepare", "--input", str(tmp_path / "fields.jsonl"), *tok, "--out", str(tmp_path / "o3")])
+    assert "has no text to train on" in data_error(
+        capsys, ["data", "prepare", "--input", str(tmp_path / "empty"), *tok, "--out", str(tmp_path / "o1")]
+    )
+    assert "latin1.txt is not UTF-8 text: byte 3 (line 1)" in data_error(
+        capsys, ["data", "prepare", "--input", str(tmp_path / "latin1.txt"), *tok, "--out", str(tmp_path / "o2")]
+    )
+    err = data_error(
+        capsys, ["data", "prepare", "--input", str(tmp_path / "fields.jsonl"), *tok, "--out", str(tmp_path / "o3")]
+    )
     assert "fields.jsonl, line 2 has no field `text` (it has: content)" in err
-    assert "data.source=pydoc reads the built-in text" in data_error(capsys, ["train", "--dataset", "HuggingFaceTB/smollm-corpus"])
+    assert "data.source=pydoc reads the built-in text" in data_error(
+        capsys, ["train", "--dataset", "HuggingFaceTB/smollm-corpus"]
+    )
     err = data_error(capsys, ["train", "data.source=tokens", f"data.path={tmp_path / 'o3'}"])
     assert "not a folder of prepared tokens" in err and "rerun that `podtrain data prepare`" in err
 
 
 def test_out_of_range_ids_and_another_tokenizer_are_refused(tmp_path, capsys, corpus):
     shards = f"data.path={corpus / 'shards'}"
-    base = ["train", *SMALL, "data.source=tokens", shards, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=1"]
+    base = [
+        "train",
+        *SMALL,
+        "data.source=tokens",
+        shards,
+        "train.steps=2",
+        "train.sample_tokens=0",
+        "checkpoint.every=1",
+    ]
     assert "token ids up to 299" in data_error(capsys, [*base, "model.vocab_size=256", f"run_dir={tmp_path / 'a'}"])
 
     other = tmp_path / "other_tok"
-    assert main(["data", "tokenizer", "--input", str(corpus / "docs.jsonl"), "--vocab-size", "280", "--out", str(other)]) == 0
+    assert (
+        main(["data", "tokenizer", "--input", str(corpus / "docs.jsonl"), "--vocab-size", "280", "--out", str(other)])
+        == 0
+    )
     err = data_error(capsys, [*base, "model.vocab_size=384", f"data.tokenizer={other}", f"run_dir={tmp_path / 'b'}"])
     assert "were made with the tokenizer" in err and "Leave data.tokenizer=auto" in err
 
     # A run trained on bytes cannot resume on these shards; its checkpoints stay.
     run = tmp_path / "bytes_run"
-    assert main(["train", *SMALL, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=1", f"run_dir={run}"]) == 0
-    assert "was trained with another tokenizer" in data_error(capsys, [*base, "model.vocab_size=384", "train.steps=4", f"run_dir={run}"])
+    assert (
+        main(["train", *SMALL, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=1", f"run_dir={run}"]) == 0
+    )
+    assert "was trained with another tokenizer" in data_error(
+        capsys, [*base, "model.vocab_size=384", "train.steps=4", f"run_dir={run}"]
+    )
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
 
 
@@ -199,8 +272,27 @@ def test_unreachable_hub_names_are_errors(tmp_path, corpus):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
 
     def refused(*args) -> str:
-        done = subprocess.run([sys.executable, "-m", "podtrain", "data", "prepare", "--input", "nobody/no-such-dataset", *args, "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and done.stderr.startswith("podtrain: error: ") and "Traceback" not in done.stderr, done.stderr
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "podtrain",
+                "data",
+                "prepare",
+                "--input",
+                "nobody/no-such-dataset",
+                *args,
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (
+            done.returncode == 2 and done.stderr.startswith("podtrain: error: ") and "Traceback" not in done.stderr
+        ), done.stderr
         return done.stderr
 
     assert "Could not get the tokenizer `nobody/no-such-model`" in refused("--tokenizer", "nobody/no-such-model")

@@ -3,7 +3,6 @@
 from types import SimpleNamespace
 
 import pytest
-
 from podtrain.errors import DeviceError
 from podtrain.runtime import devices, hardware
 
@@ -22,9 +21,19 @@ def fake_backends(monkeypatch, present: dict):
 
 def test_a_tpu_that_fails_to_start_falls_back_to_the_gpu(monkeypatch, capsys):
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v4-8")  # no longer taken as proof of a TPU
-    fake_backends(monkeypatch, {"tpu": RuntimeError("Backend 'tpu' failed to initialize: no TPU found"), "gpu": ["gpu0", "gpu1"], "cpu": ["cpu0"]})
+    fake_backends(
+        monkeypatch,
+        {
+            "tpu": RuntimeError("Backend 'tpu' failed to initialize: no TPU found"),
+            "gpu": ["gpu0", "gpu1"],
+            "cpu": ["cpu0"],
+        },
+    )
     assert devices.select_devices("auto") == ["gpu0", "gpu1"]
-    assert "the tpu backend did not start (Backend 'tpu' failed to initialize: no TPU found); using gpu" in capsys.readouterr().out
+    assert (
+        "the tpu backend did not start (Backend 'tpu' failed to initialize: no TPU found); using gpu"
+        in capsys.readouterr().out
+    )
 
 
 def test_auto_takes_tpu_then_gpu_then_cpu(monkeypatch, capsys):
@@ -39,7 +48,9 @@ def test_a_forced_platform_is_taken_or_is_an_error_that_says_why(monkeypatch):
     fake_backends(monkeypatch, {"tpu": ["tpu0"], "gpu": ["gpu0"], "cpu": ["cpu0"]})
     assert devices.select_devices("cuda") == ["gpu0"] and devices.select_devices("cpu") == ["cpu0"]
     fake_backends(monkeypatch, {"tpu": ["tpu0"], "cpu": ["cpu0"]})
-    with pytest.raises(DeviceError, match=r"device_type=gpu was requested but JAX cannot start a GPU here \(Unknown backend gpu\)"):
+    with pytest.raises(
+        DeviceError, match=r"device_type=gpu was requested but JAX cannot start a GPU here \(Unknown backend gpu\)"
+    ):
         devices.select_devices("gpu")
 
 

@@ -5,7 +5,6 @@ import shutil
 
 import jax
 import numpy as np
-
 from podtrain.cli import main
 from podtrain.config import MeshConfig, load_config
 from podtrain.data.tokenizer import ByteTokenizer
@@ -30,7 +29,13 @@ def expected_sample(checkpoints, prompt, n, seed):
 
 def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
     run = tmp_path / "run"
-    common = small_overrides + [f"run_dir={run}", "train.log_every=2", "train.eval_every=3", "checkpoint.every=3", "train.eval_batches=2"]
+    common = small_overrides + [
+        f"run_dir={run}",
+        "train.log_every=2",
+        "train.eval_every=3",
+        "checkpoint.every=3",
+        "train.eval_batches=2",
+    ]
     assert main(["train", *common, "train.steps=6"]) == 0
     records = read_metrics(run)
     train_lines = [r for r in records if "loss" in r]
@@ -64,7 +69,18 @@ def test_resume_continues_exactly(tmp_path, small_overrides):
     and its metrics.jsonl, which already held steps 4-6 from before the stop, has each step once."""
 
     def train(run):
-        main(["train", *small_overrides, f"run_dir={run}", "train.log_every=1", "checkpoint.every=3", "train.steps=6", "train.eval_every=100", "train.eval_batches=1"])
+        main(
+            [
+                "train",
+                *small_overrides,
+                f"run_dir={run}",
+                "train.log_every=1",
+                "checkpoint.every=3",
+                "train.steps=6",
+                "train.eval_every=100",
+                "train.eval_batches=1",
+            ]
+        )
         return [(r["step"], r["loss"]) for r in read_metrics(run) if "loss" in r]
 
     straight = train(tmp_path / "a")
@@ -78,7 +94,21 @@ def test_resume_continues_exactly(tmp_path, small_overrides):
 
 def test_every_zero_means_only_after_the_last_step(tmp_path, small_overrides):
     run = tmp_path / "run"
-    assert main(["train", *small_overrides, f"run_dir={run}", "train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0", "train.eval_batches=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *small_overrides,
+                f"run_dir={run}",
+                "train.steps=4",
+                "train.log_every=1",
+                "train.eval_every=0",
+                "checkpoint.every=0",
+                "train.eval_batches=1",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
     assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [4]
 
@@ -87,7 +117,16 @@ def test_config_is_written_resolved(tmp_path, small_overrides):
     import yaml
 
     run = tmp_path / "run"
-    main(["train", *[o for o in small_overrides if "compute_dtype" not in o], f"run_dir={run}", "train.steps=1", "train.eval_batches=1", "train.ema=0.9"])
+    main(
+        [
+            "train",
+            *[o for o in small_overrides if "compute_dtype" not in o],
+            f"run_dir={run}",
+            "train.steps=1",
+            "train.eval_batches=1",
+            "train.ema=0.9",
+        ]
+    )
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["train"]["ema"] == 0.9 and (run / "checkpoints" / "1" / "ema").is_dir()
     assert saved["model"]["compute_dtype"] == "float32" and saved["model"]["attention"] == "xla"
@@ -104,10 +143,25 @@ def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path, small_
     import sys
 
     cache = tmp_path / "cache"
-    args = [*small_overrides, "train.steps=1", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.every=0", f"compile_cache={cache}"]
+    args = [
+        *small_overrides,
+        "train.steps=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "checkpoint.every=0",
+        f"compile_cache={cache}",
+    ]
 
     def run(name):
-        done = subprocess.run([sys.executable, "-m", "podtrain", "train", *args, f"run_dir={tmp_path / name}"], check=True, capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_LOG_COMPILES": "1"})
+        done = subprocess.run(
+            [sys.executable, "-m", "podtrain", "train", *args, f"run_dir={tmp_path / name}"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "JAX_LOG_COMPILES": "1"},
+        )
         return set(p.name for p in cache.iterdir()), done.stderr
 
     first, _ = run("a")

@@ -9,7 +9,9 @@ import pytest
 
 def run_cli(*args, cwd=None):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": ""}
-    return subprocess.run([sys.executable, "-m", "podtrain", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "podtrain", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
 
 
 def write(tmp_path, text):
@@ -23,9 +25,18 @@ CASES = {
     "unknown_key": (lambda d: ["model.d_modle=64"], "Did you mean `model.d_model`"),
     "wrong_type": (lambda d: ["train.batch_size=eight"], "train.batch_size"),
     "missing_config": (lambda d: [str(d / "nope.yaml")], "does not exist"),
-    "missing_data": (lambda d: ["data.source=text", f"data.path={d / 'none.txt'}", f"run_dir={d / 'run'}"], "does not exist"),
-    "mesh_mismatch": (lambda d: ["device_type=cpu", "mesh.data=3", f"run_dir={d / 'run'}"], "needs 3 devices but 8 are available"),
-    "batch_not_divisible": (lambda d: ["device_type=cpu", "train.batch_size=12", f"run_dir={d / 'run'}"], "multiple of 8"),
+    "missing_data": (
+        lambda d: ["data.source=text", f"data.path={d / 'none.txt'}", f"run_dir={d / 'run'}"],
+        "does not exist",
+    ),
+    "mesh_mismatch": (
+        lambda d: ["device_type=cpu", "mesh.data=3", f"run_dir={d / 'run'}"],
+        "needs 3 devices but 8 are available",
+    ),
+    "batch_not_divisible": (
+        lambda d: ["device_type=cpu", "train.batch_size=12", f"run_dir={d / 'run'}"],
+        "multiple of 8",
+    ),
     "forced_device_absent": (lambda d: ["device_type=tpu", f"run_dir={d / 'run'}"], "device_type=tpu was requested"),
 }
 
@@ -44,7 +55,18 @@ def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
     from conftest import SMALL
 
     run = tmp_path / "run"
-    result = run_cli("train", *SMALL, f"run_dir={run}", "train.lr=1e12", "train.steps=6", "train.warmup_steps=1", "train.log_every=1", "checkpoint.every=1", "train.eval_every=100", "train.eval_batches=1")
+    result = run_cli(
+        "train",
+        *SMALL,
+        f"run_dir={run}",
+        "train.lr=1e12",
+        "train.steps=6",
+        "train.warmup_steps=1",
+        "train.log_every=1",
+        "checkpoint.every=1",
+        "train.eval_every=100",
+        "train.eval_batches=1",
+    )
     assert result.returncode == 2, result.stderr
     assert "was not finite at steps 2 to 4" in result.stderr and "Traceback" not in result.stderr
     assert "Likely cause: train.lr=1e+12 is" in result.stderr  # far above the default

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from podtrain.cli import main
 from podtrain.config import load_config
 from podtrain.errors import CheckpointError
@@ -19,7 +18,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 
 def _args(small_overrides, run, steps):
-    return [*small_overrides, f"run_dir={run}", f"train.steps={steps}", "train.log_every=1", "checkpoint.every=2", "checkpoint.async_save=false", "train.eval_every=0", "train.eval_batches=1"]
+    return [
+        *small_overrides,
+        f"run_dir={run}",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "checkpoint.every=2",
+        "checkpoint.async_save=false",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +69,19 @@ def _delete(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_zero_bytes, _truncate, _delete, _swap_values])
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(trained, small_overrides, tmp_path, capsys, damage):
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
+    trained, small_overrides, tmp_path, capsys, damage
+):
     run = tmp_path / "run"
     shutil.copytree(trained[0], run)
     damage(run / "checkpoints" / "4" / "params")
     capsys.readouterr()
     last = train(load_config(None, _args(small_overrides, run, 4)))
     out = capsys.readouterr().out
-    assert "the checkpoint at step 4 is damaged" in out and "resuming from step 2, the newest intact checkpoint; set aside as 4.damaged" in out
+    assert (
+        "the checkpoint at step 4 is damaged" in out
+        and "resuming from step 2, the newest intact checkpoint; set aside as 4.damaged" in out
+    )
     assert (run / "checkpoints" / "4.damaged" / "params").is_dir()  # kept for a post-mortem
     assert last["loss"] == pytest.approx(trained[1][4], abs=1e-6)  # steps 3 and 4 again, the same
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
@@ -79,7 +92,10 @@ def test_no_intact_checkpoint_lists_what_was_found_and_renames_nothing(trained, 
     shutil.copytree(trained[0], run)
     _swap_values(run / "checkpoints" / "4" / "params")
     _truncate(run / "checkpoints" / "2" / "opt")
-    with pytest.raises(CheckpointError, match=r"No intact checkpoint .*step 4: .* differ from their recorded checksums.*; step 2: its (files|metadata) cannot be read.*Nothing was renamed"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"No intact checkpoint .*step 4: .* differ from their recorded checksums.*; step 2: its (files|metadata) cannot be read.*Nothing was renamed",
+    ):
         train(load_config(None, _args(small_overrides, run, 6)))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
 
@@ -88,7 +104,10 @@ def test_resuming_with_other_shapes_names_the_differing_keys(trained, small_over
     run = tmp_path / "run"
     shutil.copytree(trained[0], run)
     other = [*_args(small_overrides, run, 6), "model.d_ff=96"]
-    with pytest.raises(CheckpointError, match=r"params/layers/mlp/w_gate is float32\[2, 32, 64\] there, float32\[2, 32, 96\] here.*config.yaml differs from this config in: model.d_ff \(64 there, 96 here\); train.steps \(4 there, 6 here\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"params/layers/mlp/w_gate is float32\[2, 32, 64\] there, float32\[2, 32, 96\] here.*config.yaml differs from this config in: model.d_ff \(64 there, 96 here\); train.steps \(4 there, 6 here\)",
+    ):
         train(load_config(None, other))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]  # not mistaken for damage
 
@@ -132,7 +151,6 @@ def test_checksums_are_their_definition_on_any_sharding(shape):
     it on the host, for the array whole and sharded over a 2x2x2 mesh."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
-
     from podtrain.config import MeshConfig
     from podtrain.runtime.mesh import build_mesh
     from podtrain.train.digest import checksums
@@ -144,4 +162,8 @@ def test_checksums_are_their_definition_on_any_sharding(shape):
     mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
     spec = PartitionSpec(*("data", "fsdp", "tensor", None)[: len(shape)])
     sharded = jax.device_put(x, NamedSharding(mesh, spec))
-    assert checksums({"x": sharded}) == checksums({"x": jax.device_put(x, NamedSharding(mesh, PartitionSpec()))}) == {"x": expected}
+    assert (
+        checksums({"x": sharded})
+        == checksums({"x": jax.device_put(x, NamedSharding(mesh, PartitionSpec()))})
+        == {"x": expected}
+    )

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from podtrain.cli import main
 from podtrain.config import load_config
 from podtrain.train.loop import train
 from podtrain.train.sample import cached_tokens, run_model, window_tokens
+from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,7 +24,16 @@ transformers = pytest.importorskip("transformers")
 VARIANTS = {
     "tied": {"tie_word_embeddings": True},
     "untied-theta": {"tie_word_embeddings": False, "rope_theta": 50000.0},
-    "llama3-rope": {"tie_word_embeddings": False, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    "llama3-rope": {
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
     "bfloat16": {"tie_word_embeddings": False, "dtype": "bfloat16"},
 }
 
@@ -35,8 +43,19 @@ def hf_llama(folder, seed=0, max_shard_size="5GB", dtype="float32", **options):
     trained model's (initializer_range 0.2), so that greedy choices have clear margins."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None, **options,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **options,
     )
     model = transformers.LlamaForCausalLM(config).float().eval()
     with torch.no_grad():  # norms start at one; random ones test their mapping
@@ -69,7 +88,10 @@ def test_import_matches_transformers_and_exports_bitwise(tmp_path, variant):
 
     dtype = VARIANTS[variant].get("dtype", "float32")
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", dtype]) == 0
-    source, exported = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    source, exported = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
     assert sorted(exported) == sorted(source)
     for name, tensor in source.items():
         assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name
@@ -80,17 +102,36 @@ def test_import_matches_transformers_and_exports_bitwise(tmp_path, variant):
 
 def test_a_sharded_checkpoint_imports(tmp_path):
     model = hf_llama(tmp_path / "hf", max_shard_size="100KB")
-    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 2 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert (
+        len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 2
+        and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    )
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     assert np.abs(podtrain_logits(tmp_path / "run", TOKENS) - torch_logits(model, TOKENS)).max() < 1e-4
 
 
 def test_trained_model_exports_to_transformers(tmp_path, small_overrides, monkeypatch):
     run = tmp_path / "run"
-    train(load_config(None, [*small_overrides, f"run_dir={run}", "model.tie_embeddings=false", "train.steps=3", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]))
+    train(
+        load_config(
+            None,
+            [
+                *small_overrides,
+                f"run_dir={run}",
+                "model.tie_embeddings=false",
+                "train.steps=3",
+                "train.eval_every=0",
+                "train.eval_batches=1",
+                "train.sample_tokens=0",
+            ],
+        )
+    )
     monkeypatch.setattr("podtrain.train.hf.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "out"), "--dtype", "float32"]) == 0
-    assert len(list((tmp_path / "out").glob("model-0000?-of-0000?.safetensors"))) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    assert (
+        len(list((tmp_path / "out").glob("model-0000?-of-0000?.safetensors"))) > 1
+        and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    )
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info
     tokens = TOKENS[:, :32] % 256
@@ -102,7 +143,9 @@ def test_greedy_generation_with_the_cache_equals_transformers_and_no_cache(tmp_p
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     prompt = TOKENS[0, :7]
     with torch.no_grad():
-        theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=32, do_sample=False, min_new_tokens=0)[0, 7:].tolist()
+        theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=32, do_sample=False, min_new_tokens=0)[
+            0, 7:
+        ].tolist()
     cfg, fns, params = run_model(str(tmp_path / "run"))
     cached = cached_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0)
     assert cached == theirs
@@ -113,11 +156,15 @@ def test_an_imported_model_generates_and_exports_with_its_own_tokenizer(tmp_path
     from podtrain.data.tokenizer import fit_bpe
 
     model = hf_llama(tmp_path / "hf")
-    tokenizer = fit_bpe(["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30], 300, tmp_path / "hf")
+    tokenizer = fit_bpe(
+        ["the quick brown fox jumps over the lazy dog " * 20, "hello world " * 30], 300, tmp_path / "hf"
+    )
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
     capsys.readouterr()
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "hello world", "--greedy", "--max-new-tokens", "12"]) == 0
+    assert (
+        main(["generate", str(tmp_path / "run"), "--prompt", "hello world", "--greedy", "--max-new-tokens", "12"]) == 0
+    )
     prompt = tokenizer.encode("hello world")
     with torch.no_grad():
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
@@ -137,20 +184,45 @@ def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overr
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
     prompt = [5, 6, 7]
-    assert cached_tokens(fns, params, prompt, 20, 0.8, 32, seed=1) == window_tokens(fns, params, prompt, 20, 0.8, 32, seed=1)
+    assert cached_tokens(fns, params, prompt, 20, 0.8, 32, seed=1) == window_tokens(
+        fns, params, prompt, 20, 0.8, 32, seed=1
+    )
     long = cached_tokens(fns, params, prompt, 70, 0.0, 32, seed=0)  # two refills
     assert len(long) == 70 and all(0 <= t < cfg.model.vocab_size for t in long)
 
 
 def test_init_from_a_hf_checkpoint_and_a_run_trains_from_those_weights(tmp_path):
     hf_llama(tmp_path / "hf", **VARIANTS["tied"])
-    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run"), "train.seq_len=32", "train.batch_size=8", "device_type=cpu"]) == 0
-    common = ["data.source=text", f"data.path={tmp_path / 'corpus.txt'}", "train.steps=2", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "train.lr=1e-9"]
+    assert (
+        main(
+            [
+                "convert",
+                "--from-hf",
+                str(tmp_path / "hf"),
+                str(tmp_path / "run"),
+                "train.seq_len=32",
+                "train.batch_size=8",
+                "device_type=cpu",
+            ]
+        )
+        == 0
+    )
+    common = [
+        "data.source=text",
+        f"data.path={tmp_path / 'corpus.txt'}",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "train.lr=1e-9",
+    ]
     (tmp_path / "corpus.txt").write_text("hello world, " * 400)
     first = {}
     for source in (str(tmp_path / "hf"), str(tmp_path / "run")):
         run = tmp_path / f"ft{len(first)}"
-        last = train(load_config(tmp_path / "run" / "config.yaml", [*common, f"run_dir={run}", f"train.init_from={source}"]))
+        last = train(
+            load_config(tmp_path / "run" / "config.yaml", [*common, f"run_dir={run}", f"train.init_from={source}"])
+        )
         first[source] = last["loss"]
     # the same weights from either source, not a random start's
     assert first[str(tmp_path / "hf")] == pytest.approx(first[str(tmp_path / "run")], abs=1e-5)
@@ -172,7 +244,9 @@ def test_bad_sources_are_refused_naming_the_problem(tmp_path, capsys):
     config = json.loads((folder / "config.json").read_text())
 
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    assert "holds a `mistral` model; podtrain converts Llama-architecture" in _bad_convert(tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "a"))
+    assert "holds a `mistral` model; podtrain converts Llama-architecture" in _bad_convert(
+        tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "a")
+    )
     (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
     assert "attention_bias=True" in _bad_convert(tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "b"))
 
@@ -183,12 +257,25 @@ def test_bad_sources_are_refused_naming_the_problem(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
-
 def test_init_from_a_checkpoint_of_other_sizes_names_the_keys(tmp_path, small_overrides, capsys):
     hf_llama(tmp_path / "hf")
-    assert main(["train", *small_overrides, f"run_dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'hf'}", "model.vocab_size=300"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *small_overrides,
+                f"run_dir={tmp_path / 'run'}",
+                f"train.init_from={tmp_path / 'hf'}",
+                "model.vocab_size=300",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "is a Llama of other sizes: model.d_model (64 there, 32 here)" in err and "model.tie_embeddings (False there, True here)" in err
+    assert (
+        "is a Llama of other sizes: model.d_model (64 there, 32 here)" in err
+        and "model.tie_embeddings (False there, True here)" in err
+    )
     assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))
 
 
@@ -204,9 +291,19 @@ def test_hub_names_load_through_the_hub_cache_and_unreachable_ones_are_errors(tm
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
 
     def convert(name, run):
-        return subprocess.run([sys.executable, "-m", "podtrain", "convert", "--from-hf", name, str(tmp_path / run)], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "podtrain", "convert", "--from-hf", name, str(tmp_path / run)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     assert convert("someone/tiny-llama", "run").returncode == 0
     assert np.abs(podtrain_logits(tmp_path / "run", TOKENS) - torch_logits(model, TOKENS)).max() < 1e-4
     refused = convert("nobody/no-such-model", "other")
-    assert refused.returncode == 2 and "Could not get the model `nobody/no-such-model` from the Hugging Face hub" in refused.stderr and "Traceback" not in refused.stderr
+    assert (
+        refused.returncode == 2
+        and "Could not get the model `nobody/no-such-model` from the Hugging Face hub" in refused.stderr
+        and "Traceback" not in refused.stderr
+    )

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL
 from flax import nnx
-from helpers import run_steps
-
 from podtrain.config import MeshConfig, load_config
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
 from podtrain.runtime.mesh import build_mesh, sharded_jit
 from podtrain.train.state import model_fns
+
+from conftest import SMALL
+from helpers import run_steps
 
 MHC = SMALL + ["model.name=mhc", "model.streams=4"]
 
@@ -44,7 +44,9 @@ def test_permutation_mixture_weighs_the_permutations_in_order():
     """Logit k weighs P_k, the k-th of itertools.permutations with (P_k x)_i = x[perm_k[i]]: a
     one-hot 1e4 logit gives P_k exactly, and softmax weights 0.3, 0.7 give 0.3 P + 0.7 P' (hand-written)."""
     perms = np.array(list(itertools.permutations(range(4))))
-    np.testing.assert_array_equal(permutation_mixture(1e4 * jnp.eye(24), 4), np.eye(4)[perms])  # row i of P_k is e_{perm_k[i]}
+    np.testing.assert_array_equal(
+        permutation_mixture(1e4 * jnp.eye(24), 4), np.eye(4)[perms]
+    )  # row i of P_k is e_{perm_k[i]}
     logits = jnp.full((2, 6), -jnp.inf).at[0, 1].set(jnp.log(0.3)).at[0, 3].set(jnp.log(0.7)).at[1, 5].set(0.0)
     mixed = np.array([[0.3, 0.7, 0], [0, 0, 1], [0.7, 0.3, 0]])  # 0.3 P(0, 2, 1) + 0.7 P(1, 2, 0)
     reverse = np.array([[0, 0, 1], [0, 1, 0], [1, 0, 0]])  # P(2, 1, 0)
@@ -68,10 +70,14 @@ def test_one_stream_with_identity_mixing_is_llama():
     for mixer in ("attn_mix", "mlp_mix"):
         n_layers, size = layers[mixer]["bias"].shape  # pre, post, res: one each for n=1
         layers[mixer] = {**layers[mixer], "alpha": jnp.zeros_like(layers[mixer]["alpha"])}
-        layers[mixer]["bias"] = jnp.tile(jnp.array([30.0, 0.0, 0.0]), (n_layers, 1))  # H_pre = σ(30) = 1.0, H_post = 2σ(0) = 1
+        layers[mixer]["bias"] = jnp.tile(
+            jnp.array([30.0, 0.0, 0.0]), (n_layers, 1)
+        )  # H_pre = σ(30) = 1.0, H_post = 2σ(0) = 1
     identity = {**params, **shared, "layers": layers}
     np.testing.assert_allclose(mhc.apply(identity, tokens), llama.apply(llama_params, tokens), rtol=0, atol=1e-5)
-    assert not np.allclose(mhc.apply(params, tokens), llama.apply(llama_params, tokens), atol=1e-3)  # the mixing matters
+    assert not np.allclose(
+        mhc.apply(params, tokens), llama.apply(llama_params, tokens), atol=1e-3
+    )  # the mixing matters
 
 
 def test_four_streams_with_identity_mixing_are_llama():
@@ -90,7 +96,9 @@ def test_four_streams_with_identity_mixing_are_llama():
     def mixing(post):
         """Llama's weights, and every mixer at α=0 with the bias (pre, post, res) for this H_post."""
         bias = jnp.tile(jnp.concatenate([jnp.array([30.0, -30, -30, -30]), jnp.array(post), res]), (2, 1))  # 2 layers
-        mixers = {m: {**layers[m], "alpha": jnp.zeros_like(layers[m]["alpha"]), "bias": bias} for m in ("attn_mix", "mlp_mix")}
+        mixers = {
+            m: {**layers[m], "alpha": jnp.zeros_like(layers[m]["alpha"]), "bias": bias} for m in ("attn_mix", "mlp_mix")
+        }
         return {**params, **shared, "layers": {**layers, **mixers}}
 
     expected, apply = llama.apply(llama_params, tokens), jax.jit(mhc.apply)
@@ -121,14 +129,20 @@ def test_stream_mixer_reads_writes_and_mixes_the_right_streams(projection):
 
 @pytest.fixture(scope="module")
 def unsharded():
-    return {p: run_steps(MHC + [f"model.projection={p}", "mesh.data=1"], n_devices=1) for p in ("sinkhorn", "permutations")}
+    return {
+        p: run_steps(MHC + [f"model.projection={p}", "mesh.data=1"], n_devices=1) for p in ("sinkhorn", "permutations")
+    }
 
 
-@pytest.mark.parametrize("projection,shape", [("sinkhorn", (2, 2, 2)), ("sinkhorn", (1, 1, 8)), ("permutations", (2, 2, 2))])
+@pytest.mark.parametrize(
+    "projection,shape", [("sinkhorn", (2, 2, 2)), ("sinkhorn", (1, 1, 8)), ("permutations", (2, 2, 2))]
+)
 def test_sharded_equals_unsharded(projection, shape, unsharded):
     overrides = MHC + [f"model.projection={projection}"]
     ref_losses, ref_params = unsharded[projection]
-    losses, params = run_steps(overrides + [f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8)
+    losses, params = run_steps(
+        overrides + [f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
@@ -159,9 +173,13 @@ def test_bfloat16_streams_are_mixed_in_float32():
     mixer = StreamMixer(cfg, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 16, 4, cfg.d_model)).astype(jnp.bfloat16)
     h_res = mixer.coefficients(x)[2]
-    assert float(jnp.abs(h_res - h_res.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 1e-4  # bfloat16 would round it
+    assert (
+        float(jnp.abs(h_res - h_res.astype(jnp.bfloat16).astype(jnp.float32)).max()) > 1e-4
+    )  # bfloat16 would round it
     ones = jnp.ones_like(x)
-    mixer.coefficients = lambda _: tuple(jnp.asarray(h) for h in StreamMixer.coefficients(mixer, x))  # the diverse H_res of x
+    mixer.coefficients = lambda _: tuple(
+        jnp.asarray(h) for h in StreamMixer.coefficients(mixer, x)
+    )  # the diverse H_res of x
     out = mixer(ones, lambda y: jnp.zeros_like(y))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)

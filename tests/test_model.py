@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from podtrain.config import MeshConfig, load_config
 from podtrain.models import build_model
 from podtrain.models.layers import Attention, apply_rope, rope_tables
@@ -45,7 +44,9 @@ def test_grouped_query_attention_matches_reference(n_heads, n_kv_heads, tensor):
     heads round-robin instead (tile, not repeat) gives a different output that the test would see."""
     d_model, t = 32, 8
     std = 1 / np.sqrt(d_model)
-    attn = Attention(d_model, n_heads, n_kv_heads, std=std, out_std=std, dtype=jnp.float32, implementation="xla", rngs=nnx.Rngs(0))
+    attn = Attention(
+        d_model, n_heads, n_kv_heads, std=std, out_std=std, dtype=jnp.float32, implementation="xla", rngs=nnx.Rngs(0)
+    )
     x = jax.random.normal(jax.random.key(1), (2, t, d_model))
     rope = rope_tables(t, d_model // n_heads, 10000.0)
     mesh = build_mesh(MeshConfig(1, 1, tensor), jax.devices()[:tensor])
@@ -61,7 +62,9 @@ def test_rope_scores_depend_only_on_relative_position():
     """q·k after RoPE is a function of i - j alone: the same at (3, 1) and (10, 8), not at (3, 2)."""
     q, k = jax.random.normal(jax.random.key(0), (2, 16))
     # q and k at each of 16 positions: (batch 2, seq 16, 1 head, head_dim 16)
-    rq, rk = apply_rope(jnp.broadcast_to(jnp.stack([q, k])[:, None, None], (2, 16, 1, 16)), rope_tables(16, 16, 10000.0))[:, :, 0]
+    rq, rk = apply_rope(
+        jnp.broadcast_to(jnp.stack([q, k])[:, None, None], (2, 16, 1, 16)), rope_tables(16, 16, 10000.0)
+    )[:, :, 0]
     score = rq @ rk.T  # score[i, j] = rope(q, i) · rope(k, j)
     np.testing.assert_allclose(score[3, 1], score[10, 8], rtol=1e-5)
     assert abs(score[3, 1] - score[3, 2]) > 1e-2
@@ -71,7 +74,9 @@ def test_rope_rotates_half_split_pairs():
     """Llama's (and HF's) rotate-half layout: x[m] and x[m + d/2] turn by pos * theta^(-2m/d), not
     the interleaved pairs (x[2m], x[2m+1]); position 0 is the identity. Rows are the images of e_0..e_3."""
     cos, sin = rope_tables(4, 4, 100.0)
-    images = apply_rope(jnp.broadcast_to(jnp.eye(4)[:, None, None, :], (4, 4, 1, 4)), (cos, sin))[:, :, 0]  # (basis, pos, d)
+    images = apply_rope(jnp.broadcast_to(jnp.eye(4)[:, None, None, :], (4, 4, 1, 4)), (cos, sin))[
+        :, :, 0
+    ]  # (basis, pos, d)
     c0, s0, c1, s1 = np.cos(3.0), np.sin(3.0), np.cos(0.3), np.sin(0.3)  # pos 3: angles 3 * 100^0 and 3 * 100^(-1/2)
     expected = np.array([[c0, 0, s0, 0], [0, c1, 0, s1], [-s0, 0, c0, 0], [0, -s1, 0, c1]])
     np.testing.assert_allclose(images[:, 3], expected, atol=1e-6)

@@ -12,9 +12,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL
-from helpers import run_steps
-
 from podtrain.config import MeshConfig, load_config
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
@@ -26,14 +23,27 @@ from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
 from podtrain.train.sample import sample
 
+from conftest import SMALL
+from helpers import run_steps
+
 TESTS = Path(__file__).parent
 # Children get their own fake device count from `launch`, and no stray cluster variables.
 LAUNCHER_VARS = ("XLA_FLAGS", "RANK", "WORLD_SIZE", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK")
-CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))}
+CLEAN_ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))
+}
 
 
 def podtrain(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "podtrain", *args], env={**CLEAN_ENV, **(env or {})}, capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "podtrain", *args],
+        env={**CLEAN_ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("nproc,per_proc,mesh", [(2, 4, (2, 2, 2)), (4, 2, (1, 4, 2))])
@@ -41,7 +51,18 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     run = tmp_path / "run"
     overrides = SMALL + [f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}", "train.steps=3"]
     args = ["train.log_every=1", "train.eval_batches=1", "train.sample_tokens=8", f"run_dir={run}"]
-    done = podtrain("launch", "--nproc", str(nproc), "--devices-per-proc", str(per_proc), "--", "train", *overrides, *args, timeout=600)
+    done = podtrain(
+        "launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        str(per_proc),
+        "--",
+        "train",
+        *overrides,
+        *args,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} tensor={mesh[2]}" in done.stdout
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"process_{i}.log" for i in range(nproc)]
@@ -73,9 +94,26 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
 def test_each_process_reads_its_own_rows(tmp_path, nproc):
     """Over 3 steps of a (2,2,2) mesh: every window once, none twice, an equal share each."""
     done = subprocess.run(
-        [sys.executable, "-m", "podtrain", "launch", "--nproc", str(nproc), "--devices-per-proc", str(8 // nproc), "--log-dir", str(tmp_path / "logs"), "--",
-         sys.executable, str(TESTS / "multihost_data.py"), str(tmp_path)],
-        env=CLEAN_ENV, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "podtrain",
+            "launch",
+            "--nproc",
+            str(nproc),
+            "--devices-per-proc",
+            str(8 // nproc),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--",
+            sys.executable,
+            str(TESTS / "multihost_data.py"),
+            str(tmp_path),
+        ],
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reads = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(nproc)]
@@ -92,12 +130,46 @@ def test_resume_on_another_process_count(tmp_path):
     fit_bpe(pydoc_documents()[:40], 300, tmp_path / "tok")
     prepare(Corpus("pydoc"), load_tokenizer(str(tmp_path / "tok")), tokens, 0.05, shard_docs=16, quiet=True)
     run = tmp_path / "run"
-    overrides = SMALL + ["data.source=tokens", f"data.path={tokens}", "model.vocab_size=384", "train.warmup_steps=2", "train.min_lr_ratio=1.0"]
-    args = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0", "checkpoint.every=2", f"run_dir={run}"]
-    first = podtrain("launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *overrides, *args, "train.steps=4", timeout=600)
+    overrides = SMALL + [
+        "data.source=tokens",
+        f"data.path={tokens}",
+        "model.vocab_size=384",
+        "train.warmup_steps=2",
+        "train.min_lr_ratio=1.0",
+    ]
+    args = [
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.sample_tokens=0",
+        "checkpoint.every=2",
+        f"run_dir={run}",
+    ]
+    first = podtrain(
+        "launch",
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "4",
+        "--",
+        "train",
+        *overrides,
+        *args,
+        "train.steps=4",
+        timeout=600,
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = podtrain("train", *overrides, *args, "train.steps=8", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, timeout=600)
-    assert second.returncode == 0 and "resuming from step 4" in second.stdout and "process 0/1" in second.stdout, second.stdout[-3000:] + second.stderr[-3000:]
+    second = podtrain(
+        "train",
+        *overrides,
+        *args,
+        "train.steps=8",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        timeout=600,
+    )
+    assert second.returncode == 0 and "resuming from step 4" in second.stdout and "process 0/1" in second.stdout, (
+        second.stdout[-3000:] + second.stderr[-3000:]
+    )
     losses, _ = run_steps(overrides + ["train.steps=8"], n_devices=8, n_steps=8)
     np.testing.assert_allclose([r["loss"] for r in read_metrics(run) if "loss" in r], losses, rtol=0, atol=1e-5)
 
@@ -105,8 +177,26 @@ def test_resume_on_another_process_count(tmp_path):
 def test_launch_fails_fast_when_a_process_dies(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "podtrain", "launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *SMALL, "train.steps=100000", "train.log_every=1", f"run_dir={run}"],
-        env=CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "podtrain",
+            "launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "4",
+            "--",
+            "train",
+            *SMALL,
+            "train.steps=100000",
+            "train.log_every=1",
+            f"run_dir={run}",
+        ],
+        env=CLEAN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     pids, deadline = {}, time.monotonic() + 240
     for line in launcher.stdout:
@@ -130,7 +220,10 @@ HALF_SET = [
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "2"}, "JAX_PROCESS_INDEX"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "2"}, "outside 0..1"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1"}, "not HOST:PORT"),
-    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "two", "JAX_PROCESS_INDEX": "1"}, "not an integer"),
+    (
+        {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_PROCESS_COUNT": "two", "JAX_PROCESS_INDEX": "1"},
+        "not an integer",
+    ),
     ({"MASTER_ADDR": "127.0.0.1", "RANK": "1", "WORLD_SIZE": "2"}, "MASTER_PORT"),
     ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "WORLD_SIZE": "2"}, "RANK (or NODE_RANK"),
     ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "WORLD_SIZE": "2", "RANK": "5"}, "outside 0..1"),
@@ -156,23 +249,50 @@ def test_missing_processes_time_out_with_the_address(tmp_path):
 
 
 def test_torchrun_variables():
-    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "NODE_RANK": "1", "NPROC_PER_NODE": "4", "LOCAL_RANK": "2"}
+    env = {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": "8",
+        "NODE_RANK": "1",
+        "NPROC_PER_NODE": "4",
+        "LOCAL_RANK": "2",
+    }
     procs = from_environment(env)
     assert (procs.coordinator, procs.count, procs.index, procs.local_device_ids) == ("10.0.0.1:29500", 8, 6, (2,))
-    under_torchrun = from_environment({"MASTER_ADDR": "h", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"})
+    under_torchrun = from_environment(
+        {"MASTER_ADDR": "h", "MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    )
     assert under_torchrun.coordinator == "h:29501"  # torchrun's agent holds MASTER_PORT
     assert from_environment({}) is None and from_environment({"LOCAL_RANK": "0"}) is None
-    assert from_environment({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1", "RANK": "0"}).index == 1  # JAX_* first
+    assert (
+        from_environment(
+            {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1", "RANK": "0"}
+        ).index
+        == 1
+    )  # JAX_* first
 
 
 def test_launch_training_script_joins_two_nodes(tmp_path):
     """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK."""
     from podtrain.tools.launch import free_port
 
-    env = {**CLEAN_ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PODTRAIN": f"{sys.executable} -m podtrain"}
+    env = {
+        **CLEAN_ENV,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PODTRAIN": f"{sys.executable} -m podtrain",
+    }
     script = str(TESTS.parent / "scripts" / "launch_training.sh")
     nodes = [
-        subprocess.Popen([script, "doctor", "device_type=cpu", "distributed.init_timeout=60"], env={**env, "NODE_RANK": str(rank)}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [script, "doctor", "device_type=cpu", "distributed.init_timeout=60"],
+            env={**env, "NODE_RANK": str(rank)},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=120)[0] for node in nodes]

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from podtrain.config import MeshConfig, load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train import optim
@@ -31,7 +30,9 @@ def test_schedule_is_linear_then_cosine():
     lr = np.array([optim.schedule(t)(s) for s in range(t.steps)])
     np.testing.assert_allclose(lr[:10], 1e-4 * np.arange(1, 11), rtol=1e-5)
     assert (np.diff(lr[9:]) < 0).all()
-    np.testing.assert_allclose([lr[54], lr[99]], [1e-3 * (1 + 0.1) / 2, 1e-4], rtol=1e-5)  # 45 of the 90 decay steps at step 54
+    np.testing.assert_allclose(
+        [lr[54], lr[99]], [1e-3 * (1 + 0.1) / 2, 1e-4], rtol=1e-5
+    )  # 45 of the 90 decay steps at step 54
 
 
 def test_min_lr_ratio_one_holds_the_rate_after_warmup():
@@ -43,7 +44,9 @@ def test_min_lr_ratio_one_holds_the_rate_after_warmup():
 def test_adamw_moves_by_the_scheduled_rate():
     """Under a constant gradient Adam's bias-corrected step is sign(g), so without weight decay the
     optimizer moves each weight by the schedule's rate of that step, counted from step 0."""
-    t = load_config(None, ["train.steps=8", "train.warmup_steps=3", "train.lr=0.1", "train.weight_decay=0", "train.grad_clip=0"]).train
+    t = load_config(
+        None, ["train.steps=8", "train.warmup_steps=3", "train.lr=0.1", "train.weight_decay=0", "train.grad_clip=0"]
+    ).train
     tx = optim.optimizer(t, {"w": True})
     params, grads = {"w": jnp.zeros(3)}, {"w": jnp.array([2.0, -0.5, 1.0])}
     update, opt, moves = jax.jit(tx.update), tx.init(params), []

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-
 from podtrain.config import load_config
 from podtrain.runtime.hlo import collectives, summary
 from podtrain.runtime.mesh import build_mesh, sharded_jit
@@ -20,14 +19,24 @@ from podtrain.train.state import model_fns
 SEQ, BATCH, D_MODEL, LAYERS = 40, 16, 128, 2
 # Eight query heads on two k/v heads: on tensor=8 the k/v heads are repeated.
 MODEL = [
-    f"model.d_model={D_MODEL}", f"model.n_layers={LAYERS}", "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=256",
-    "model.max_seq_len=64", f"train.seq_len={SEQ}", f"train.batch_size={BATCH}", "model.tie_embeddings=false",
-    "model.compute_dtype=float32", "device_type=cpu",
+    f"model.d_model={D_MODEL}",
+    f"model.n_layers={LAYERS}",
+    "model.n_heads=8",
+    "model.n_kv_heads=2",
+    "model.d_ff=256",
+    "model.max_seq_len=64",
+    f"train.seq_len={SEQ}",
+    f"train.batch_size={BATCH}",
+    "model.tie_embeddings=false",
+    "model.compute_dtype=float32",
+    "device_type=cpu",
 ]
 
 
 def _config(shape, model="llama"):
-    return load_config(None, MODEL + [f"model.name={model}"] + [f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape)])
+    return load_config(
+        None, MODEL + [f"model.name={model}"] + [f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,9 @@ def test_fsdp_gathers_each_layer_and_reduces_its_gradient(compiled, model):
     assert sum(c.total_bytes for c in in_scan) == pytest.approx(2 * layer_bytes, rel=0.05)  # gathered layer by layer
 
 
-@pytest.mark.parametrize("shape,model", [((1, 1, 8), "llama"), ((2, 2, 2), "llama"), ((2, 2, 2), "mhc")], ids=["1x1x8", "2x2x2", "2x2x2-mhc"])
+@pytest.mark.parametrize(
+    "shape,model", [((1, 1, 8), "llama"), ((2, 2, 2), "llama"), ((2, 2, 2), "mhc")], ids=["1x1x8", "2x2x2", "2x2x2-mhc"]
+)
 def test_tensor_parallel_is_megatron_on_the_local_batch(compiled, shape, model):
     data, fsdp, tensor = shape
     local_batch = BATCH // (data * fsdp)

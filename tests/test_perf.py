@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from podtrain.config import MeshConfig, load_config
 from podtrain.models import build_model
 from podtrain.models.layers import grouped_attention, swiglu
@@ -34,7 +33,9 @@ def loss_and_grads(overrides: tuple[str, ...], mesh_shape=(1, 1, 1)):
     return jax.device_get(sharded_jit(jax.value_and_grad(loss), mesh)(params))
 
 
-@pytest.mark.parametrize("chunk,mesh_shape", [(8, (1, 1, 1)), (12, (1, 1, 1)), (12, (2, 1, 2))], ids=["8", "12-short-last", "12-data-tensor"])
+@pytest.mark.parametrize(
+    "chunk,mesh_shape", [(8, (1, 1, 1)), (12, (1, 1, 1)), (12, (2, 1, 2))], ids=["8", "12-short-last", "12-data-tensor"]
+)
 def test_chunked_loss_equals_full_loss_and_gradients(chunk, mesh_shape, small_overrides):
     full_loss, full_grads = loss_and_grads(tuple(small_overrides), mesh_shape)
     loss, grads = loss_and_grads((*small_overrides, f"model.loss_chunk={chunk}"), mesh_shape)
@@ -77,7 +78,9 @@ def test_grouped_attention_equals_dot_product_attention(causal, documents):
         return out, pullback(cotangent)
 
     ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal))
-    reference = with_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla"))
+    reference = with_grads(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+    )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), ours, reference)
 
 
@@ -100,6 +103,13 @@ def test_unrolled_layers_equal_the_scan(small_overrides):
 def test_throughput_bench_runs_tiny():
     """End to end on CPU in its tiny mode: both sides train and the ratio line is printed (no timing asserted)."""
     env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user has, not the tests' eight
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "ratio podtrain/reference: min" in result.stdout

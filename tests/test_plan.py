@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import pytest
-
 from podtrain.config import load_config
 from podtrain.errors import DoesNotFit
 from podtrain.models.layers import causal_blocks
@@ -24,9 +23,19 @@ from podtrain.train.loop import train
 from podtrain.train.state import model_fns
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed")
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed"
+)
 # A Llama big enough that its arrays, not the runtime, make up a step's memory.
-MEDIUM = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=768", "train.batch_size=16", "device_type=cpu"]
+MEDIUM = [
+    "model.d_model=256",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.d_ff=768",
+    "train.batch_size=16",
+    "device_type=cpu",
+]
 
 
 def cpu(n: int) -> hardware.Target:
@@ -125,7 +134,9 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(Path(__file__).parent.parent)}
-    return subprocess.run([sys.executable, "-m", "podtrain", "plan", *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "podtrain", "plan", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def test_bad_targets_exit_2():
@@ -149,7 +160,10 @@ def test_gpu_target_is_an_estimate_in_json():
 def test_tpu_compile_counts_the_same_flops_as_cpu():
     """The TPU compiler writes matmuls as convolutions and drops loop trip counts; counted, they
     agree with the CPU compile of the same program."""
-    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, "mesh.fsdp=2", "model.compute_dtype=bfloat16", "model.remat=full", "model.attention=xla"])
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [*MEDIUM, "mesh.fsdp=2", "model.compute_dtype=bfloat16", "model.remat=full", "model.attention=xla"],
+    )
     tpu, host = plan.plan(cfg, hardware.target("v5e-8")), plan.plan(cfg, cpu(8))
     assert tpu.matmul_flops == host.matmul_flops
     assert tpu.target.chip.name == "TPU v5e" and tpu.fits
@@ -195,7 +209,10 @@ def test_splash_attention_equals_xla_attention():
 def test_splash_compiles_for_tpu_and_keeps_scores_off_hbm():
     """`auto` picks splash on TPU; compiled ahead of time for a v5e-8 its step needs less memory and
     moves fewer bytes than XLA's attention, which writes every (seq, seq) score block to HBM."""
-    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, "model.max_seq_len=1024", "train.seq_len=1024", "mesh.tensor=2", "model.compute_dtype=bfloat16"])
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [*MEDIUM, "model.max_seq_len=1024", "train.seq_len=1024", "mesh.tensor=2", "model.compute_dtype=bfloat16"],
+    )
     target = hardware.target("v5e-8")
     splash, xla = plan.plan(cfg, target), plan.plan(fit.changed(cfg, {"model.attention": "xla"}), target)
     assert splash.cfg.model.attention == "splash" and splash.fits

@@ -8,18 +8,32 @@ import subprocess
 import sys
 import time
 
-from conftest import SMALL
-from test_multihost import CLEAN_ENV
-
 from podtrain.errors import Preempted
 from podtrain.train import preemption
 from podtrain.train.metrics import read_metrics
 
-ENDLESS = [*SMALL, "train.steps=100000", "train.log_every=1", "checkpoint.every=1000", "train.eval_every=0", "train.eval_batches=1", "train.sample_tokens=0"]
+from conftest import SMALL
+from test_multihost import CLEAN_ENV
+
+ENDLESS = [
+    *SMALL,
+    "train.steps=100000",
+    "train.log_every=1",
+    "checkpoint.every=1000",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "podtrain", *args], env=CLEAN_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "podtrain", *args],
+        env=CLEAN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _pids_once_training(process: subprocess.Popen, started: str) -> tuple[dict, list[str]]:

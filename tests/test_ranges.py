@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from podtrain.cli import main
 from podtrain.config import Range, default_config, leaves, load_config, ranges
 from podtrain.train.loop import divergence_hint
@@ -50,7 +49,10 @@ def test_out_of_range_exits_2_naming_key_and_range(override, valid, tmp_path, ca
     [
         ("model: [1, 2]", "`model` in {path} must be a mapping of keys (like `model: {{key: value}}`), not `[1, 2]`"),
         ("train: 5", "`train` in {path} must be a mapping of keys"),
-        ("train: {lr: {a: 1}}", "Config key `train.lr` in {path} must be a single value (a number, string or boolean), not `{{'a': 1}}`"),
+        (
+            "train: {lr: {a: 1}}",
+            "Config key `train.lr` in {path} must be a single value (a number, string or boolean), not `{{'a': 1}}`",
+        ),
         ("seed: [1]", "Config key `seed` in {path} must be a single value"),
     ],
 )
@@ -62,7 +64,12 @@ def test_wrong_structure_names_the_key(text, message, tmp_path, capsys):
 
 
 def test_range_bounds():
-    assert 0 not in Range("> 0") and 1e-12 in Range("> 0") and float("nan") not in Range("> 0") and float("inf") not in Range(">= 1")
+    assert (
+        0 not in Range("> 0")
+        and 1e-12 in Range("> 0")
+        and float("nan") not in Range("> 0")
+        and float("inf") not in Range(">= 1")
+    )
     assert 0 in Range("[0, 1)") and 1 not in Range("[0, 1)") and 1 in Range("[0, 1]") and 0 not in Range("(0, 1)")
     assert -1 in Range("-1 or >= 1") and 0 not in Range("-1 or >= 1") and -1 not in Range(">= 1")
     assert True not in Range("finite") and -3.5 in Range("finite")
@@ -72,7 +79,9 @@ def test_every_numeric_key_of_every_family_has_a_range():
     for name in FAMILIES:
         cfg = default_config(name)
         ranged = {key for key, _, _ in ranges(cfg)}
-        numeric = {key for key, _, value in leaves(cfg) if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        numeric = {
+            key for key, _, value in leaves(cfg) if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         assert numeric == ranged, (name, numeric ^ ranged)
         assert all(value in valid for _, valid, value in ranges(cfg)), name  # the defaults are valid
 
@@ -104,6 +113,9 @@ def test_readme_shows_each_keys_range():
 def test_divergence_names_the_likely_cause_and_only_a_real_checkpoint():
     cfg = load_config(None, ["train.lr=1"])
     hint = divergence_hint(cfg, None)
-    assert "train.lr=1 is 500x this model's default (0.002): lower it" in hint and "No checkpoint had been written yet" in hint
+    assert (
+        "train.lr=1 is 500x this model's default (0.002): lower it" in hint
+        and "No checkpoint had been written yet" in hint
+    )
     assert "short warmup" in divergence_hint(load_config(None, ["train.warmup_steps=0"]), 4)
     assert "The checkpoint of step 4 in runs/default/checkpoints is intact" in divergence_hint(load_config(None), 4)

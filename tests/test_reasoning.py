@@ -8,18 +8,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_steps, trainer
-
 from podtrain.cli import main
 from podtrain.config import load_config
 from podtrain.data import sudoku
 from podtrain.train.metrics import read_metrics
 from podtrain.train.reasoning import CELLS, act_loss, split, stablemax_cross_entropy
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.compute_dtype=float32", "device_type=cpu", "train.batch_size=8", "train.lr=3e-3"]
+from helpers import run_steps, trainer
+
+TINY = [
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.compute_dtype=float32",
+    "device_type=cpu",
+    "train.batch_size=8",
+    "train.lr=3e-3",
+]
 RECURSION = {
-    "trm": ["model.name=trm", "model.H_cycles=2", "model.L_cycles=1", "model.puzzle_emb_len=4", "model.halt_max_steps=2"],
-    "hrm": ["model.name=hrm", "model.H_cycles=2", "model.L_cycles=1", "model.H_layers=1", "model.L_layers=1", "model.halt_max_steps=2"],
+    "trm": [
+        "model.name=trm",
+        "model.H_cycles=2",
+        "model.L_cycles=1",
+        "model.puzzle_emb_len=4",
+        "model.halt_max_steps=2",
+    ],
+    "hrm": [
+        "model.name=hrm",
+        "model.H_cycles=2",
+        "model.L_cycles=1",
+        "model.H_layers=1",
+        "model.L_layers=1",
+        "model.halt_max_steps=2",
+    ],
 }
 
 
@@ -62,20 +83,30 @@ def run_act(model, carry, rows, key):
 
 
 def act_config(name, **changes):
-    return dataclasses.replace(load_config(None, [f"model.name={name}"]).model, **{"halt_exploration_prob": 0.0, **changes})
+    return dataclasses.replace(
+        load_config(None, [f"model.name={name}"]).model, **{"halt_exploration_prob": 0.0, **changes}
+    )
 
 
 def puzzle_rows(n, seed):
     """n rows [puzzle id, 81 inputs, 81 labels], ids and tokens distinct from another seed's."""
     rng = np.random.default_rng(seed)
     ids = 100 * seed + np.arange(n)[:, None]
-    return jnp.asarray(np.concatenate([ids, rng.integers(0, 11, (n, CELLS)), rng.integers(1, 11, (n, CELLS))], axis=1), jnp.int32)
+    return jnp.asarray(
+        np.concatenate([ids, rng.integers(0, 11, (n, CELLS)), rng.integers(1, 11, (n, CELLS))], axis=1), jnp.int32
+    )
 
 
 def act_carry(data, steps, halted):
     """A carry whose latents tell the slots apart: slot i holds i in z_H and 100 + i in z_L."""
     z = jnp.broadcast_to(jnp.arange(len(data), dtype=jnp.float32)[:, None, None], (len(data), 2, 3))
-    return {"z_h": z, "z_l": z + 100, "steps": jnp.asarray(steps, jnp.int32), "halted": jnp.broadcast_to(jnp.asarray(halted), (len(data),)), "data": data}
+    return {
+        "z_h": z,
+        "z_l": z + 100,
+        "steps": jnp.asarray(steps, jnp.int32),
+        "halted": jnp.broadcast_to(jnp.asarray(halted), (len(data),)),
+        "data": data,
+    }
 
 
 def bce(logit, target):
@@ -90,7 +121,9 @@ def test_q_head_halts_a_slot_before_the_last_step(name, halts):
     act_steps sums the steps of the halted slots only."""
     q = [[1.0, 2.0], [-1.0, -2.0], [1.0, 0.0], [0.0, -1.0], [-1.0, 0.0], [-1.0, 0.0]]
     model = StandIn(act_config(name, halt_max_steps=4), [q])
-    (_, (carry, metrics)), _ = run_act(model, act_carry(puzzle_rows(6, 0), [1, 1, 1, 1, 1, 3], False), puzzle_rows(6, 1), jax.random.key(0))
+    (_, (carry, metrics)), _ = run_act(
+        model, act_carry(puzzle_rows(6, 0), [1, 1, 1, 1, 1, 3], False), puzzle_rows(6, 1), jax.random.key(0)
+    )
     np.testing.assert_array_equal(carry["steps"], [2, 2, 2, 2, 2, 4])
     np.testing.assert_array_equal(carry["halted"], np.array(halts, bool))
     halted_steps = np.array([2, 2, 2, 2, 2, 4])[np.array(halts, bool)]
@@ -103,8 +136,12 @@ def test_exploration_delays_halting_to_a_drawn_step(prob):
     drawn from [2, halt_max_steps]: the draw is reproduced from the key as act_loss splits it, and
     the share that halts is about what that draw implies over steps 1..8 ((1 - prob) + prob / 2)."""
     n, last, key = 512, 8, jax.random.key(3)
-    model = StandIn(act_config("trm", halt_max_steps=last, halt_exploration_prob=prob), [jnp.tile(jnp.array([5.0, -5.0]), (n, 1))])
-    (_, (carry, _)), _ = run_act(model, act_carry(puzzle_rows(n, 0), np.arange(n) % last, False), puzzle_rows(n, 1), key)
+    model = StandIn(
+        act_config("trm", halt_max_steps=last, halt_exploration_prob=prob), [jnp.tile(jnp.array([5.0, -5.0]), (n, 1))]
+    )
+    (_, (carry, _)), _ = run_act(
+        model, act_carry(puzzle_rows(n, 0), np.arange(n) % last, False), puzzle_rows(n, 1), key
+    )
     steps, halted = np.asarray(carry["steps"]), np.asarray(carry["halted"])
     explore, draw = jax.random.split(key)
     min_steps = jnp.where(jax.random.bernoulli(explore, prob, (n,)), jax.random.randint(draw, (n,), 2, last + 1), 0)
@@ -173,7 +210,9 @@ def test_q_halt_learns_whether_the_puzzle_is_exactly_right():
 
 @pytest.mark.parametrize("name", ["trm", "hrm"])
 def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
-    state, step, batches = trainer([*puzzles, *RECURSION[name], "mesh.data=1", "model.halt_exploration_prob=0"], n_devices=1)
+    state, step, batches = trainer(
+        [*puzzles, *RECURSION[name], "mesh.data=1", "model.halt_exploration_prob=0"], n_devices=1
+    )
     state, metrics = step(state, batches[0])  # every slot starts halted: all take batch 0
     carry = jax.device_get(state["carry"])
     np.testing.assert_array_equal(carry["data"], np.asarray(batches[0]))
@@ -193,21 +232,31 @@ def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
 
 def test_metrics_of_halted_slots_are_pooled_over_microbatches(puzzles):
     """With grad_accum=2 and halts in one microbatch only, the metrics are those of that one, not NaN."""
-    state, step, batches = trainer([*puzzles, *RECURSION["trm"], "mesh.data=1", "train.grad_accum=2", "model.halt_exploration_prob=0"], n_devices=1)
+    state, step, batches = trainer(
+        [*puzzles, *RECURSION["trm"], "mesh.data=1", "train.grad_accum=2", "model.halt_exploration_prob=0"], n_devices=1
+    )
     state, metrics = step(state, batches[0])  # no slot halts at step 1 of halt_max_steps=2
     assert np.isnan(float(metrics["act_steps"]))
-    restart = np.array([True] * 4 + [False] * 4).reshape(2, 4)  # microbatch 0 restarts, microbatch 1 reaches step 2 and halts
+    restart = np.array([True] * 4 + [False] * 4).reshape(
+        2, 4
+    )  # microbatch 0 restarts, microbatch 1 reaches step 2 and halts
     state["carry"] = {**state["carry"], "halted": jax.device_put(restart, state["carry"]["halted"].sharding)}
     state, metrics = step(state, batches[1])
     assert float(metrics["act_steps"]) == 2.0 and 0 <= float(metrics["cell_accuracy"]) <= 1
     assert float(metrics["halted"]) == 0.5
 
 
-@pytest.mark.parametrize("name,shape,extra", [("trm", (1, 4, 2), ["model.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])], ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"])
+@pytest.mark.parametrize(
+    "name,shape,extra",
+    [("trm", (1, 4, 2), ["model.mlp_t=true"]), ("trm", (2, 2, 2), []), ("hrm", (1, 2, 4), [])],
+    ids=["trm-1x4x2-mlp_t", "trm-2x2x2", "hrm-1x2x4"],
+)
 def test_sharded_equals_unsharded(puzzles, name, shape, extra):
     common = [*puzzles, *RECURSION[name], *extra]
     ref_losses, ref_params = run_steps([*common, "mesh.data=1"], n_devices=1)
-    losses, params = run_steps([*common, f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8)
+    losses, params = run_steps(
+        [*common, f"mesh.data={shape[0]}", f"mesh.fsdp={shape[1]}", f"mesh.tensor={shape[2]}"], n_devices=8
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
 
@@ -217,7 +266,20 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     no slot has halted yet, so the run goes on only if the carry (latents, steps, puzzles) is restored."""
 
     def train(run):
-        main(["train", *puzzles, *RECURSION["trm"], "model.halt_max_steps=3", f"run_dir={run}", "train.log_every=1", "checkpoint.every=2", "train.steps=4", "train.eval_every=100", "train.eval_batches=1"])
+        main(
+            [
+                "train",
+                *puzzles,
+                *RECURSION["trm"],
+                "model.halt_max_steps=3",
+                f"run_dir={run}",
+                "train.log_every=1",
+                "checkpoint.every=2",
+                "train.steps=4",
+                "train.eval_every=100",
+                "train.eval_batches=1",
+            ]
+        )
         return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
 
     straight = train(tmp_path / "a")
@@ -238,13 +300,19 @@ def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
     (55.6% + 44.4% / 9 = 60.5%): TRM (mlp_t) to about 85%, HRM to about 66%."""
     data = tmp_path_factory.getbasetemp() / "sudoku-easy"
     if not data.exists():
-        sudoku.build(data, "generate", n_train=250, n_test=128, givens=45, min_rating=0, copies=7, seed=0)  # as the recipe says
+        sudoku.build(
+            data, "generate", n_train=250, n_test=128, givens=45, min_rating=0, copies=7, seed=0
+        )  # as the recipe says
     run = tmp_path_factory.mktemp(name)
     recipe = str(Path(__file__).parent.parent / "configs" / f"{name}_sudoku_tiny.yaml")
-    assert main(["train", recipe, "train.eval_every=150", "device_type=cpu", f"data.path={data}", f"run_dir={run}"]) == 0
+    assert (
+        main(["train", recipe, "train.eval_every=150", "device_type=cpu", f"data.path={data}", f"run_dir={run}"]) == 0
+    )
     baseline = sudoku.load(data, "test").copy_baseline()
     final = [r for r in read_metrics(run) if "val_cell_accuracy" in r][-1]
-    print(f"{name}: held-out cell accuracy {final['val_cell_accuracy']:.3f}, exact {final['val_exact_accuracy']:.3f}, copy-the-givens {baseline:.3f}")
+    print(
+        f"{name}: held-out cell accuracy {final['val_cell_accuracy']:.3f}, exact {final['val_exact_accuracy']:.3f}, copy-the-givens {baseline:.3f}"
+    )
     assert final["val_cell_accuracy"] > baseline + (1 - baseline) / 9 + margin
 
 

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from podtrain.config import load_config
 from podtrain.models.layers import rope_tables
 from podtrain.models.recursive import HRM, TRM
@@ -69,7 +68,9 @@ def test_trm_gradient_flows_only_through_the_last_cycle():
     assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(carry_grads))  # no path back to the start
     assert float(jnp.abs(grads["net"]["layers"]["mlp"]["w_down"][...]).max()) > 0
     # The same gradient as one cycle started, as a constant, where the two no-gradient cycles ended.
-    after_two = nnx.merge(graph(TRM, ["model.H_cycles=2", "model.L_cycles=2"]), params)(start, tokens, jnp.zeros(2, jnp.int32))[0]
+    after_two = nnx.merge(graph(TRM, ["model.H_cycles=2", "model.L_cycles=2"]), params)(
+        start, tokens, jnp.zeros(2, jnp.int32)
+    )[0]
     expected = grad_params(graph(TRM, ["model.H_cycles=1", "model.L_cycles=2"]), params, after_two, tokens)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected)
 
@@ -91,4 +92,7 @@ def test_hrm_one_step_gradient():
     one = ["model.H_layers=1", "model.L_layers=1", "model.H_cycles=1", "model.L_cycles=1"]
     expected = grad_params(graph(HRM, one), params, (z_h, z_l), tokens)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), grads, expected)
-    assert float(jnp.abs(grads["low"]["layers"]["mlp"]["w_up"][...]).max()) > 0 and float(jnp.abs(grads["high"]["layers"]["mlp"]["w_up"][...]).max()) > 0
+    assert (
+        float(jnp.abs(grads["low"]["layers"]["mlp"]["w_up"][...]).max()) > 0
+        and float(jnp.abs(grads["high"]["layers"]["mlp"]["w_up"][...]).max()) > 0
+    )

@@ -19,7 +19,9 @@ def reference():
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_equals_unsharded(shape, reference, small_overrides):
     data, fsdp, tensor = shape
-    losses, params = run_steps(small_overrides + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"], n_devices=8)
+    losses, params = run_steps(
+        small_overrides + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"], n_devices=8
+    )
     ref_losses, ref_params = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     assert losses[-1] < losses[0]  # the steps really trained
@@ -44,17 +46,23 @@ def test_grad_accumulation_equals_full_batch(small_overrides):
 
 def test_grad_accumulation_on_a_mesh(small_overrides):
     full, _ = run_steps(small_overrides + ["mesh.data=1"], n_devices=1)
-    accum, _ = run_steps(small_overrides + ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=4"], n_devices=8)
+    accum, _ = run_steps(
+        small_overrides + ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "train.grad_accum=4"], n_devices=8
+    )
     np.testing.assert_allclose(accum, full, rtol=0, atol=1e-5)
 
 
 def test_ema_follows_the_weights(small_overrides):
     from helpers import trainer
 
-    state, step, batches = trainer(small_overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.ema=0.75"], n_devices=8)
+    state, step, batches = trainer(
+        small_overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.ema=0.75"], n_devices=8
+    )
     expected = jax.device_get(state["ema"])
     for i in range(2):
         state, _ = step(state, batches[i])
         expected = jax.tree.map(lambda e, p: 0.75 * e + 0.25 * p, expected, jax.device_get(state["params"]))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), jax.device_get(state["ema"]), expected)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), jax.device_get(state["ema"]), expected
+    )
     assert state["ema"]["embed"].sharding == state["params"]["embed"].sharding

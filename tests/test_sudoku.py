@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from podtrain.cli import main
 from podtrain.data import sudoku
 from podtrain.errors import DataError
@@ -83,18 +82,46 @@ def test_data_command_builds_train_and_test(tmp_path):
     puzzles, solutions = sudoku.generate_set(8, seed=5, givens=32)
     write_csv(tmp_path / "train.csv", puzzles[:6], solutions[:6], [1] * 6)
     write_csv(tmp_path / "test.csv", puzzles[6:], solutions[6:], [1] * 2)
-    assert main(["data", "sudoku", "--out", str(tmp_path / "csv"), "--source", "csv", "--csv", str(tmp_path), "--train", "4", "--augment", "2"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "sudoku",
+                "--out",
+                str(tmp_path / "csv"),
+                "--source",
+                "csv",
+                "--csv",
+                str(tmp_path),
+                "--train",
+                "4",
+                "--augment",
+                "2",
+            ]
+        )
+        == 0
+    )
     train, test = sudoku.load(tmp_path / "csv", "train"), sudoku.load(tmp_path / "csv", "test")
     assert train.inputs.shape == (12, 81) and test.inputs.shape == (2, 81)  # 4 puzzles x (1 + 2 augmentations)
     assert train.inputs.min() >= 1 and train.labels.min() >= 2 and train.labels.max() <= 10
     for x, y in zip(train.inputs, train.labels):
         assert sudoku.is_valid_solution((x.astype(int) - 1).reshape(9, 9), (y.astype(int) - 1).reshape(9, 9))
 
-    assert main(["data", "sudoku", "--out", str(tmp_path / "gen"), "--train", "3", "--test", "2", "--givens", "45"]) == 0
+    assert (
+        main(["data", "sudoku", "--out", str(tmp_path / "gen"), "--train", "3", "--test", "2", "--givens", "45"]) == 0
+    )
     assert sudoku.load(tmp_path / "gen", "train").inputs.shape == (3, 81)
 
 
 def test_hub_source_offline_is_a_clear_error(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    done = subprocess.run([sys.executable, "-m", "podtrain", "data", "sudoku", "--out", str(tmp_path), "--source", "hub"], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "sapientinc/sudoku-extreme" in done.stderr and "--source generate" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "podtrain", "data", "sudoku", "--out", str(tmp_path), "--source", "hub"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "sapientinc/sudoku-extreme" in done.stderr and "--source generate" in done.stderr, (
+        done.stderr
+    )

@@ -10,8 +10,8 @@ joins the processes' rows into one global batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import grain
 import jax
@@ -55,7 +55,9 @@ def train_windows(tokens, seq_len: int, batch_size: int, seed: int) -> tuple[gra
 
 def eval_windows(tokens, seq_len: int, batch_size: int, max_batches: int) -> grain.MapDataset:
     """The consecutive windows of at most max_batches full batches."""
-    return in_order(_count_windows(tokens, seq_len, batch_size, "validation"), batch_size, max_batches, _window(tokens, seq_len))
+    return in_order(
+        _count_windows(tokens, seq_len, batch_size, "validation"), batch_size, max_batches, _window(tokens, seq_len)
+    )
 
 
 def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> np.ndarray:
@@ -63,7 +65,9 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> 
     spans = {index[axis].indices(shape[axis])[:2] for index in sharding.addressable_devices_indices_map(shape).values()}
     lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
     if len(set().union(*(range(s, e) for s, e in spans))) != hi - lo:
-        raise MeshError(f"This process's devices hold non-contiguous rows {sorted(spans)} of the batch; build the mesh from jax.devices() in their default order.")
+        raise MeshError(
+            f"This process's devices hold non-contiguous rows {sorted(spans)} of the batch; build the mesh from jax.devices() in their default order."
+        )
     return np.arange(lo, hi)
 
 
@@ -90,7 +94,14 @@ class BatchReader:
     only the rows along `axis` that its devices hold (every row where the batch is replicated).
     """
 
-    def __init__(self, windows: grain.MapDataset, sharding: NamedSharding, shape: tuple[int, ...], axis: int, epoch_size: int | None = None):
+    def __init__(
+        self,
+        windows: grain.MapDataset,
+        sharding: NamedSharding,
+        shape: tuple[int, ...],
+        axis: int,
+        epoch_size: int | None = None,
+    ):
         self.windows, self.sharding, self.shape, self.epoch_size = windows, sharding, tuple(shape), epoch_size
         self.per_batch = math.prod(shape[: axis + 1])
         rows = process_rows(sharding, self.shape, axis)
@@ -124,7 +135,9 @@ class BatchReader:
 
             if not flags.FLAGS.is_parsed():  # grain's workers read absl flags, which only a main() built on absl parses
                 flags.FLAGS.mark_as_parsed()
-            ahead = ahead.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, prefetch)))
+            ahead = ahead.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=max(1, prefetch))
+            )
         reading = iter(ahead)
         try:
             for rows in reading:

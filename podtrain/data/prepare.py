@@ -42,7 +42,12 @@ def _settings(corpus: Corpus, tokenizer, val_fraction: float, shard_docs: int) -
     return {
         "format": FORMAT,
         "corpus": dataclasses.asdict(corpus),
-        "tokenizer": {"spec": tokenizer.spec, "sha256": tokenizer.identity, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+        "tokenizer": {
+            "spec": tokenizer.spec,
+            "sha256": tokenizer.identity,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        },
         "val_fraction": val_fraction,
         "shard_docs": shard_docs,
         "dtype": "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32",
@@ -54,7 +59,9 @@ def _start(out: Path, settings: dict) -> list[dict]:
     recorded = out / "prepare.json"
     if recorded.is_file():
         if json.loads(recorded.read_text()) != settings:
-            raise DataError(f"{out} holds shards prepared with other settings (corpus, tokenizer, --val-fraction); use a new --out, or delete {out} to start over.")
+            raise DataError(
+                f"{out} holds shards prepared with other settings (corpus, tokenizer, --val-fraction); use a new --out, or delete {out} to start over."
+            )
     elif any(out.iterdir()):
         raise DataError(f"--out {out} is a folder with other files in it; give a new or empty folder.")
     _write_json(recorded, settings)
@@ -64,7 +71,9 @@ def _start(out: Path, settings: dict) -> list[dict]:
     return done
 
 
-def _write_shard(out: Path, index: int, dtype: str, texts: list[str], first_doc: int, tokenizer, val_fraction: float) -> dict:
+def _write_shard(
+    out: Path, index: int, dtype: str, texts: list[str], first_doc: int, tokenizer, val_fraction: float
+) -> dict:
     tokens = {"train": [], "val": []}
     eos = [tokenizer.eos_id]
     for start in range(0, len(texts), BATCH_DOCS):
@@ -83,10 +92,19 @@ def _write_shard(out: Path, index: int, dtype: str, texts: list[str], first_doc:
     return record
 
 
-def prepare(corpus: Corpus, tokenizer, out: str | Path, val_fraction: float = 0.01, shard_docs: int = SHARD_DOCS, quiet: bool = False) -> dict:
+def prepare(
+    corpus: Corpus,
+    tokenizer,
+    out: str | Path,
+    val_fraction: float = 0.01,
+    shard_docs: int = SHARD_DOCS,
+    quiet: bool = False,
+) -> dict:
     """Tokenize `corpus` into shards in `out`, continuing an interrupted prepare; returns the manifest."""
     if tokenizer.eos_id is None:
-        raise DataError(f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a fitted BPE, a Hugging Face model's).")
+        raise DataError(
+            f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a fitted BPE, a Hugging Face model's)."
+        )
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} is outside [0, 1); give e.g. 0.01.")
     out = Path(out)
@@ -96,21 +114,42 @@ def prepare(corpus: Corpus, tokenizer, out: str | Path, val_fraction: float = 0.
         return json.loads((out / MANIFEST).read_text())
     shards = _start(out, settings)
     documents = itertools.islice(corpus.documents(), len(shards) * shard_docs, None)
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.fields[rates]}"), TimeElapsedColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.fields[rates]}"),
+        TimeElapsedColumn(),
+    ]
     clock, docs, tokens = time.perf_counter(), 0, 0
     with Progress(*columns, disable=quiet, transient=False) as progress:
         bar = progress.add_task("", rates="", total=None)
         while texts := list(itertools.islice(documents, shard_docs)):
-            shards.append(_write_shard(out, len(shards), settings["dtype"], texts, len(shards) * shard_docs, tokenizer, val_fraction))
+            shards.append(
+                _write_shard(
+                    out, len(shards), settings["dtype"], texts, len(shards) * shard_docs, tokenizer, val_fraction
+                )
+            )
             docs, tokens = docs + len(texts), tokens + shards[-1]["train_tokens"] + shards[-1]["val_tokens"]
             elapsed = time.perf_counter() - clock
-            progress.update(bar, description=f"shard {len(shards)}: {docs:,} documents, {tokens:,} tokens", rates=f"{docs / elapsed:,.0f} docs/s  {tokens / elapsed:,.0f} tokens/s")
-    totals = {key: sum(s[key] for s in shards) for key in ("documents", "empty_documents", "train_tokens", "val_tokens")}
+            progress.update(
+                bar,
+                description=f"shard {len(shards)}: {docs:,} documents, {tokens:,} tokens",
+                rates=f"{docs / elapsed:,.0f} docs/s  {tokens / elapsed:,.0f} tokens/s",
+            )
+    totals = {
+        key: sum(s[key] for s in shards) for key in ("documents", "empty_documents", "train_tokens", "val_tokens")
+    }
     if not totals["train_tokens"]:
-        raise DataError(f"The corpus {corpus.input} has no text to train on ({totals['documents']} documents, all empty or all validation); check --input and --text-field.")
+        raise DataError(
+            f"The corpus {corpus.input} has no text to train on ({totals['documents']} documents, all empty or all validation); check --input and --text-field."
+        )
     if tokenizer.file is not None:
         keep_tokenizer(tokenizer, out / "tokenizer")
-    manifest = {**settings, **totals, "max_id": max(max(s["train_max_id"], s["val_max_id"]) for s in shards), "shards": shards}
+    manifest = {
+        **settings,
+        **totals,
+        "max_id": max(max(s["train_max_id"], s["val_max_id"]) for s in shards),
+        "shards": shards,
+    }
     _write_json(out / MANIFEST, manifest)
     return {**manifest, "tokens_per_sec": tokens / (time.perf_counter() - clock) if tokens else None}
-

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from podtrain.errors import DataError
 
@@ -52,10 +52,14 @@ class Corpus:
     def _field(self, record, where: str) -> str:
         if not isinstance(record, dict) or self.text_field not in record:
             fields = ", ".join(record) if isinstance(record, dict) else f"a {type(record).__name__}, not an object"
-            raise DataError(f"{where} has no field `{self.text_field}` (it has: {fields}); pass --text-field with the field that holds the text.")
+            raise DataError(
+                f"{where} has no field `{self.text_field}` (it has: {fields}); pass --text-field with the field that holds the text."
+            )
         text = record[self.text_field]
         if not isinstance(text, str):
-            raise DataError(f"{where}: field `{self.text_field}` holds a {type(text).__name__}, not text; pass --text-field with the field that holds the text.")
+            raise DataError(
+                f"{where}: field `{self.text_field}` holds a {type(text).__name__}, not text; pass --text-field with the field that holds the text."
+            )
         return text
 
     def _json_rows(self, file: Path) -> Iterator[str]:
@@ -75,7 +79,9 @@ class Corpus:
 
         table = pq.ParquetFile(file)
         if self.text_field not in table.schema_arrow.names:
-            raise DataError(f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); pass --text-field with the column that holds the text.")
+            raise DataError(
+                f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); pass --text-field with the column that holds the text."
+            )
         row = 0
         for batch in table.iter_batches(columns=[self.text_field]):
             for text in batch.column(0).to_pylist():
@@ -88,7 +94,9 @@ class Corpus:
         data = datasets.load_from_disk(str(path))
         if isinstance(data, datasets.DatasetDict):
             if self.split not in data:
-                raise DataError(f"The saved dataset {path} has no split `{self.split}` (it has: {', '.join(data)}); pass --split.")
+                raise DataError(
+                    f"The saved dataset {path} has no split `{self.split}` (it has: {', '.join(data)}); pass --split."
+                )
             data = data[self.split]
         yield from self._records(data, str(path))
 
@@ -131,10 +139,14 @@ def local_files(path: Path) -> list[Path]:
     else:
         files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
     if not files:
-        raise DataError(f"{path} holds no corpus files ({', '.join(suffixes)}); point at a file or a folder that has some.")
+        raise DataError(
+            f"{path} holds no corpus files ({', '.join(suffixes)}); point at a file or a folder that has some."
+        )
     unknown = [f for f in files if f.suffix.lower() not in suffixes]
     if unknown:
-        raise DataError(f"{unknown[0]} is not a corpus file this reader knows ({', '.join(suffixes)}); convert it or pass a folder of such files.")
+        raise DataError(
+            f"{unknown[0]} is not a corpus file this reader knows ({', '.join(suffixes)}); convert it or pass a folder of such files."
+        )
     return files
 
 
@@ -144,7 +156,9 @@ def _read_text(file: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise DataError(f"{file} is not UTF-8 text: byte {e.start} (line {line}) is {data[e.start:e.start + 1]!r}. Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+        raise DataError(
+            f"{file} is not UTF-8 text: byte {e.start} (line {line}) is {data[e.start : e.start + 1]!r}. Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+        ) from None
 
 
 def _parse_json(data: bytes, where: str):

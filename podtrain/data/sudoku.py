@@ -38,7 +38,9 @@ class _Search:
             if v:
                 bit = 1 << v
                 if (self.rows[i // 9] | self.cols[i % 9] | self.boxes[BOX[i]]) & bit:
-                    raise DataError(f"Sudoku grid repeats the digit {v} in the row, column or box of cell {i}; the puzzle is invalid.")
+                    raise DataError(
+                        f"Sudoku grid repeats the digit {v} in the row, column or box of cell {i}; the puzzle is invalid."
+                    )
                 self.rows[i // 9] |= bit
                 self.cols[i % 9] |= bit
                 self.boxes[BOX[i]] |= bit
@@ -142,7 +144,9 @@ def augment(puzzle: np.ndarray, solution: np.ndarray, rng: np.random.Generator) 
     return transform(np.asarray(puzzle)), transform(np.asarray(solution))
 
 
-def read_csv(path: str | Path, n: int | None = None, min_rating: int = 0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def read_csv(
+    path: str | Path, n: int | None = None, min_rating: int = 0, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Puzzles and solutions from a Sudoku-Extreme CSV: a header, then source, question (81 chars,
     '.' for a blank), answer (81 digits), rating. With n, a random sample of n of the puzzles
     rated >= min_rating, chosen in a first pass so that the file's millions of rows stay on disk."""
@@ -153,13 +157,19 @@ def read_csv(path: str | Path, n: int | None = None, min_rating: int = 0, seed: 
             next(reader, None)
             for line, row in enumerate(reader, start=2):
                 if len(row) != 4 or len(row[1]) != 81 or len(row[2]) != 81 or not row[3].isdigit():
-                    raise DataError(f"{path}:{line} is not `source,question,answer,rating` with 81-character grids; is it a Sudoku-Extreme CSV?")
+                    raise DataError(
+                        f"{path}:{line} is not `source,question,answer,rating` with 81-character grids; is it a Sudoku-Extreme CSV?"
+                    )
                 yield row
 
     eligible = np.array([i for i, row in enumerate(rows()) if int(row[3]) >= min_rating], dtype=np.int64)
     if not len(eligible):
         raise DataError(f"{path} has no puzzles rated >= {min_rating}.")
-    keep = set((np.random.default_rng(seed).choice(eligible, n, replace=False) if n and n < len(eligible) else eligible).tolist())
+    keep = set(
+        (
+            np.random.default_rng(seed).choice(eligible, n, replace=False) if n and n < len(eligible) else eligible
+        ).tolist()
+    )
     chosen = [row for i, row in enumerate(rows()) if i in keep]
     puzzles = np.array([[0 if ch in ".0" else int(ch) for ch in row[1]] for row in chosen], np.int8)
     sols = np.array([[int(ch) for ch in row[2]] for row in chosen], np.int8)
@@ -191,7 +201,9 @@ class SudokuSet:
 
     def rows(self) -> np.ndarray:
         """(n, 163) int32 examples: puzzle id (0: Sudoku shares one puzzle embedding), inputs, labels."""
-        return np.concatenate([np.zeros((len(self.inputs), 1), np.int32), self.inputs, self.labels], axis=1).astype(np.int32)
+        return np.concatenate([np.zeros((len(self.inputs), 1), np.int32), self.inputs, self.labels], axis=1).astype(
+            np.int32
+        )
 
     def copy_baseline(self) -> float:
         """Cell accuracy of copying the puzzle: the givens are right, every blank is wrong."""
@@ -223,25 +235,50 @@ def save(directory: str | Path, train: SudokuSet, test: SudokuSet, meta: dict) -
 def load(directory: str | Path, split: str) -> SudokuSet:
     path = Path(directory) / f"{split}.npz"
     if not path.is_file():
-        raise DataError(f"{path} does not exist; build the Sudoku data first: `podtrain data sudoku --out {directory}`.")
+        raise DataError(
+            f"{path} does not exist; build the Sudoku data first: `podtrain data sudoku --out {directory}`."
+        )
     with np.load(path) as data:
         return SudokuSet(data["inputs"], data["labels"])
 
 
-def build(out: str | Path, source: str, n_train: int, n_test: int, givens: int, min_rating: int, copies: int, seed: int, csv_dir: str | None = None) -> dict:
+def build(
+    out: str | Path,
+    source: str,
+    n_train: int,
+    n_test: int,
+    givens: int,
+    min_rating: int,
+    copies: int,
+    seed: int,
+    csv_dir: str | None = None,
+) -> dict:
     """Write OUT/train.npz (with `copies` augmentations of each puzzle), OUT/test.npz (not
     augmented) and OUT/meta.json. source: generate (offline), hub (Sudoku-Extreme) or csv (csv_dir
     holding train.csv and test.csv in the hub's format)."""
     if source == "generate":
         if not 17 <= givens <= 80:
-            raise DataError(f"--givens={givens}: a Sudoku with a unique solution has 17 to 80 clues; pick a number in that range (40+ is easy, 25 is hard).")
+            raise DataError(
+                f"--givens={givens}: a Sudoku with a unique solution has 17 to 80 clues; pick a number in that range (40+ is easy, 25 is hard)."
+            )
         train = generate_set(n_train, seed, givens, min_rating)
         test = generate_set(n_test, seed + 1, givens, min_rating)
     else:
         if source == "csv" and not csv_dir:
-            raise DataError("--source csv needs --csv DIR, a folder with train.csv and test.csv in the Sudoku-Extreme format.")
-        files = {split: download_csv(split) if source == "hub" else Path(csv_dir) / f"{split}.csv" for split in ("train", "test")}
+            raise DataError(
+                "--source csv needs --csv DIR, a folder with train.csv and test.csv in the Sudoku-Extreme format."
+            )
+        files = {
+            split: download_csv(split) if source == "hub" else Path(csv_dir) / f"{split}.csv"
+            for split in ("train", "test")
+        }
         train = read_csv(files["train"], n_train, min_rating, seed)
         test = read_csv(files["test"], n_test, min_rating, seed + 1)
-    meta = {"source": source, "givens": givens if source == "generate" else None, "min_rating": min_rating, "augmentations": copies, "seed": seed}
+    meta = {
+        "source": source,
+        "givens": givens if source == "generate" else None,
+        "min_rating": min_rating,
+        "augmentations": copies,
+        "seed": seed,
+    }
     return save(out, augmented(*train, copies, seed), augmented(*test, 0, seed), meta)

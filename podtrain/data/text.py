@@ -54,10 +54,14 @@ def load_tokens(cfg: DataConfig, tokenizer) -> tuple:
     if cfg.source == "tokens":
         manifest = load_manifest(cfg.path)
         if cfg.dataset_name and manifest["corpus"]["dataset_name"] != cfg.dataset_name:
-            raise DataError(f"The shards in {cfg.path} were prepared from {manifest['corpus']['input']} config {manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}.")
+            raise DataError(
+                f"The shards in {cfg.path} were prepared from {manifest['corpus']['input']} config {manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}."
+            )
         return TokenStream.of(cfg.path, manifest, "train"), TokenStream.of(cfg.path, manifest, "val")
     if cfg.source == "text" and not Path(cfg.path).exists():
-        raise DataError(f"data.path={cfg.path} does not exist; give a corpus file or folder (.txt, .md, .jsonl, .json, .parquet).")
+        raise DataError(
+            f"data.path={cfg.path} does not exist; give a corpus file or folder (.txt, .md, .jsonl, .json, .parquet)."
+        )
     text = "\n\n".join(Corpus("pydoc" if cfg.source == "pydoc" else cfg.path).documents())
     tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
     n_val = int(len(tokens) * cfg.val_fraction)

@@ -12,8 +12,8 @@ import itertools
 import json
 import math
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -48,7 +48,9 @@ class HFTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
-            raise DataError(f"{file} is not a tokenizer.json the `tokenizers` library reads ({e}); give a folder saved by a Hugging Face tokenizer.") from None
+            raise DataError(
+                f"{file} is not a tokenizer.json the `tokenizers` library reads ({e}); give a folder saved by a Hugging Face tokenizer."
+            ) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(file.parent / "tokenizer_config.json")
 
@@ -57,7 +59,9 @@ class HFTokenizer:
         if config.is_file():
             eos = json.loads(config.read_text()).get("eos_token")
             names.insert(0, eos.get("content") if isinstance(eos, dict) else eos)
-        return next((self.tokenizer.token_to_id(n) for n in names if n and self.tokenizer.token_to_id(n) is not None), None)
+        return next(
+            (self.tokenizer.token_to_id(n) for n in names if n and self.tokenizer.token_to_id(n) is not None), None
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -77,7 +81,9 @@ def load_tokenizer(spec: str):
     path = Path(spec)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise DataError(f"The tokenizer folder {spec} has no tokenizer.json; fit one with `podtrain data tokenizer` or give a Hugging Face model's folder or name.")
+            raise DataError(
+                f"The tokenizer folder {spec} has no tokenizer.json; fit one with `podtrain data tokenizer` or give a Hugging Face model's folder or name."
+            )
         return HFTokenizer(spec, path / "tokenizer.json")
     if path.is_file():
         return HFTokenizer(spec, path)
@@ -125,11 +131,15 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTok
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise DataError(f"--vocab-size {vocab_size} is below the {len(alphabet)} byte tokens plus {EOS}; give at least {len(alphabet) + 1}.")
+        raise DataError(
+            f"--vocab-size {vocab_size} is below the {len(alphabet)} byte tokens plus {EOS}; give at least {len(alphabet) + 1}."
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=alphabet, show_progress=False
+    )
     documents = iter(documents)
     first = next(documents, None)
     if first is None:
@@ -138,6 +148,12 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTok
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS, "eos_token": EOS, "unk_token": EOS, "model_max_length": 1 << 20}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS,
+        "eos_token": EOS,
+        "unk_token": EOS,
+        "model_max_length": 1 << 20,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return HFTokenizer(str(out), out / "tokenizer.json")

@@ -30,7 +30,11 @@ def load_manifest(path: str | Path) -> dict:
     folder = Path(path)
     file = folder / MANIFEST
     if not file.is_file():
-        unfinished = " It holds shards of a prepare that did not finish: rerun that `podtrain data prepare` command to complete it." if (folder / "prepare.json").is_file() else ""
+        unfinished = (
+            " It holds shards of a prepare that did not finish: rerun that `podtrain data prepare` command to complete it."
+            if (folder / "prepare.json").is_file()
+            else ""
+        )
         raise DataError(
             f"data.path={path} is not a folder of prepared tokens (no {MANIFEST}).{unfinished} "
             f"Make one with `podtrain data prepare --input CORPUS --tokenizer TOKENIZER --out DIR` (CORPUS may be a hub dataset such as HuggingFaceTB/smollm-corpus "
@@ -38,7 +42,9 @@ def load_manifest(path: str | Path) -> dict:
         )
     manifest = json.loads(file.read_text())
     if manifest.get("format") != FORMAT:
-        raise DataError(f"{file} has format {manifest.get('format')}, not {FORMAT}; prepare the corpus again with this version of podtrain.")
+        raise DataError(
+            f"{file} has format {manifest.get('format')}, not {FORMAT}; prepare the corpus again with this version of podtrain."
+        )
     return manifest
 
 
@@ -53,7 +59,9 @@ class TokenStream:
     @classmethod
     def of(cls, folder: str | Path, manifest: dict, split: str) -> TokenStream:
         shards = [s for s in manifest["shards"] if s[f"{split}_tokens"]]
-        return cls([shard_file(Path(folder), split, s["index"]) for s in shards], [s[f"{split}_tokens"] for s in shards])
+        return cls(
+            [shard_file(Path(folder), split, s["index"]) for s in shards], [s[f"{split}_tokens"] for s in shards]
+        )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_arrays": None}
@@ -66,7 +74,9 @@ class TokenStream:
             try:
                 self._arrays = [np.load(f, mmap_mode="r") for f in self.files]
             except (OSError, ValueError) as e:
-                raise DataError(f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder.") from None
+                raise DataError(
+                    f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
+                ) from None
         return self._arrays
 
     def __getitem__(self, window: slice) -> np.ndarray:

@@ -37,7 +37,9 @@ def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
     """A float32 normal(0, std) parameter tagged with its logical axis names."""
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+    return nnx.Param(
+        std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=axes, eager_sharding=False
+    )
 
 
 def rms_norm(x: jax.Array, eps: float) -> jax.Array:
@@ -55,7 +57,9 @@ class RMSNorm(nnx.Module):
         return (rms_norm(x, self.eps) * self.scale[...]).astype(x.dtype)
 
 
-def rope_tables(positions, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_tables(
+    positions, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin of shape (len(positions), head_dim // 2) for rotary position embeddings at
     `positions` (an int n: 0..n-1). `llama3` = (factor, low_freq_factor, high_freq_factor,
     original_max_len) stretches the long wavelengths as Llama 3 does for its longer context."""
@@ -63,7 +67,9 @@ def rope_tables(positions, head_dim: int, theta: float, llama3: tuple[float, flo
     if llama3 is not None:
         factor, low, high, original = llama3
         wavelen = 2 * jnp.pi / inv_freq
-        smooth = jnp.clip((original / wavelen - low) / (high - low), 0.0, 1.0)  # 0 beyond original / low, 1 below original / high
+        smooth = jnp.clip(
+            (original / wavelen - low) / (high - low), 0.0, 1.0
+        )  # 0 beyond original / low, 1 below original / high
         inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     positions = jnp.arange(positions) if isinstance(positions, int) else positions
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -98,13 +104,17 @@ def causal_blocks(t: int) -> int:
     return blocks
 
 
-def grouped_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array | None = None, causal: bool = True) -> jax.Array:
+def grouped_attention(
+    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array | None = None, causal: bool = True
+) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim)) v, each k/v head read in place by its group of query heads
     (no copies); scores and softmax in float32. `mask` (batch or 1, 1, T, S): True where a query
     may attend to a key, and with `causal` only to keys at or before its own position."""
     b, t, n, h = q_BTNH.shape
     s, kv = k_BSKH.shape[1:3]
-    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(h**-0.5, q_BTNH.dtype)  # scaled before the product: T x H, not T x S, multiplies
+    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(
+        h**-0.5, q_BTNH.dtype
+    )  # scaled before the product: T x H, not T x S, multiplies
     allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
@@ -127,7 +137,10 @@ def _attend(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
 def _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
     outs, probs = [], []
     for lo, hi, end in _spans(q_BTKGH.shape[1], k_BSKH.shape[1], blocks):
-        scores = jnp.einsum("btkgh,bskh->bktgs", q_BTKGH[:, lo:hi], k_BSKH[:, :end], preferred_element_type=jnp.float32) + bias[:, :, lo:hi, :, :end]
+        scores = (
+            jnp.einsum("btkgh,bskh->bktgs", q_BTKGH[:, lo:hi], k_BSKH[:, :end], preferred_element_type=jnp.float32)
+            + bias[:, :, lo:hi, :, :end]
+        )
         probs.append(jax.nn.softmax(scores, axis=-1))
         outs.append(jnp.einsum("bktgs,bskh->btkgh", probs[-1].astype(v_BSKH.dtype), v_BSKH[:, :end]))
     out = jnp.concatenate(outs, axis=1)
@@ -142,23 +155,34 @@ def _attend_bwd(blocks, residuals, d_out):
     dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for (lo, hi, end), p in zip(_spans(q.shape[1], k.shape[1], blocks), probs):
         d_block = d_out[:, lo:hi]
-        dv = dv.at[:, :end].add(jnp.einsum("bktgs,btkgh->bskh", p.astype(v.dtype), d_block, preferred_element_type=jnp.float32))
+        dv = dv.at[:, :end].add(
+            jnp.einsum("bktgs,btkgh->bskh", p.astype(v.dtype), d_block, preferred_element_type=jnp.float32)
+        )
         d_probs = jnp.einsum("btkgh,bskh->bktgs", d_block, v[:, :end], preferred_element_type=jnp.float32)
         d_scores = (p * (d_probs - row[:, :, lo:hi, :, None])).astype(q.dtype)
         dq.append(jnp.einsum("bktgs,bskh->btkgh", d_scores, k[:, :end]))
-        dk = dk.at[:, :end].add(jnp.einsum("bktgs,btkgh->bskh", d_scores, q[:, lo:hi], preferred_element_type=jnp.float32))
+        dk = dk.at[:, :end].add(
+            jnp.einsum("bktgs,btkgh->bskh", d_scores, q[:, lo:hi], preferred_element_type=jnp.float32)
+        )
     return jnp.concatenate(dq, axis=1), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False) -> jax.Array:
+def splash_attention(
+    q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False
+) -> jax.Array:
     """softmax(q k^T / sqrt(head_dim)) v by the Pallas splash-attention kernel for TPU: scores
     live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
     device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
     repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash, splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as masks,
+    )
 
     n, head_dim = q_BTNH.shape[2:]
     k_BTNH, v_BTNH = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k_BTKH, v_BTKH))
@@ -167,7 +191,9 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, ca
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         t, heads = q.shape[2], q.shape[1]
         mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
-        kernel = splash.make_splash_mha(masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret)
+        kernel = splash.make_splash_mha(
+            masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret
+        )
         return jax.vmap(kernel)(q * jnp.asarray(head_dim**-0.5, q.dtype), k, v).transpose(0, 2, 1, 3)
 
     return per_shard(local, (HEADS,) * 3, HEADS)(q_BTNH, k_BTNH, v_BTNH)
@@ -176,7 +202,19 @@ def splash_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, ca
 class Attention(nnx.Module):
     """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *, std: float, out_std: float, dtype, implementation: str, rngs: nnx.Rngs, causal: bool = True):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        std: float,
+        out_std: float,
+        dtype,
+        implementation: str,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+    ):
         head_dim = d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
@@ -222,12 +260,16 @@ class Attention(nnx.Module):
             out = grouped_attention(q, k, v, mask, self.causal)
         return self.output(constrain(out, HEADS))
 
-    def decode(self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def decode(
+        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention of the tokens x at positions start.. to themselves and everything before them,
         whose keys and values `cache` (batch, length, kv_heads, head_dim) holds; x's are written into
         it. Positions after the last written one are masked, whatever the cache holds there."""
         q, k, v = self.project(x_BTD, rope, share_kv=False)
-        cache = tuple(jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v)))
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v))
+        )
         mask = jnp.arange(cache[0].shape[1])[None, :] <= start + jnp.arange(x_BTD.shape[1])[:, None]
         out = grouped_attention(q, *cache, mask[None, None], causal=False)
         return self.output(out), cache
@@ -254,7 +296,18 @@ class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism."""
 
-    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, dtype, rngs: nnx.Rngs, axis: str = "embed", x_axes: tuple[str, ...] = ACT):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        std: float,
+        out_std: float,
+        dtype,
+        rngs: nnx.Rngs,
+        axis: str = "embed",
+        x_axes: tuple[str, ...] = ACT,
+    ):
         self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)

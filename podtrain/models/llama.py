@@ -11,7 +11,21 @@ from flax import nnx
 
 from podtrain.config import ModelConfig, ranged
 from podtrain.errors import ConfigError
-from podtrain.models.layers import ACT, HEAD, TABLE, Attention, RMSNorm, SwiGLU, document_mask, embed_tokens, output_head, param, rope_tables, scan_layers, stacked
+from podtrain.models.layers import (
+    ACT,
+    HEAD,
+    TABLE,
+    Attention,
+    RMSNorm,
+    SwiGLU,
+    document_mask,
+    embed_tokens,
+    output_head,
+    param,
+    rope_tables,
+    scan_layers,
+    stacked,
+)
 from podtrain.runtime.mesh import constrain
 
 
@@ -19,20 +33,32 @@ from podtrain.runtime.mesh import constrain
 class LlamaConfig(ModelConfig):
     name: str = "llama"
     n_layers: int = ranged(4, ">= 1")
-    n_kv_heads: int = ranged(2, ">= 1")  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
+    n_kv_heads: int = ranged(
+        2, ">= 1"
+    )  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
     tie_embeddings: bool = True  # the output head is the embedding table, transposed
-    init_std: float = ranged(0.02, "> 0")  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
-    rope_scaling: str = "none"  # none | llama3: Llama 3's stretch of the long rotary wavelengths, with the four keys below
+    init_std: float = ranged(
+        0.02, "> 0"
+    )  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
+    rope_scaling: str = (
+        "none"  # none | llama3: Llama 3's stretch of the long rotary wavelengths, with the four keys below
+    )
     rope_factor: float = ranged(8.0, ">= 1")
     rope_low_freq_factor: float = ranged(1.0, "> 0")
     rope_high_freq_factor: float = ranged(4.0, "> 0")
-    rope_original_max_len: int = ranged(8192, ">= 1")  # the context length the model was pretrained at before the stretch
-    loss_chunk: int = ranged(0, ">= 0")  # positions per chunk of the training loss, so that one chunk's float32 logits exist at a time; 0: all at once
+    rope_original_max_len: int = ranged(
+        8192, ">= 1"
+    )  # the context length the model was pretrained at before the stretch
+    loss_chunk: int = ranged(
+        0, ">= 0"
+    )  # positions per chunk of the training loss, so that one chunk's float32 logits exist at a time; 0: all at once
 
     def validate(self) -> None:
         super().validate()
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads.")
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads."
+            )
 
 
 class Block(nnx.Module):
@@ -40,7 +66,16 @@ class Block(nnx.Module):
         dtype = jnp.dtype(cfg.compute_dtype)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, std=std, out_std=out_std, dtype=dtype, implementation=cfg.attention, rngs=rngs)
+        self.attn = Attention(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            std=std,
+            out_std=out_std,
+            dtype=dtype,
+            implementation=cfg.attention,
+            rngs=rngs,
+        )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
 
@@ -95,10 +130,19 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1])
         mask = None if segment_ids is None else document_mask(segment_ids)
-        x = scan_layers(self.layers, self.widen(self.embedded(table, tokens)), rope, mask, remat=self.cfg.remat, unroll=self.cfg.scan_unroll)
+        x = scan_layers(
+            self.layers,
+            self.widen(self.embedded(table, tokens)),
+            rope,
+            mask,
+            remat=self.cfg.remat,
+            unroll=self.cfg.scan_unroll,
+        )
         return table, self.narrow(x)
 
-    def decode(self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def decode(
+        self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Logits of `tokens` (batch, n) at positions start..start+n-1, attending to the keys and
         values of earlier positions in `cache` (from `init_cache`); returns the cache with theirs
         added. A prompt is one call (prefill), then each new token one call of n=1."""
@@ -124,7 +168,11 @@ class Llama(nnx.Module):
 
     def rope(self, positions) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        llama3 = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len) if cfg.rope_scaling == "llama3" else None
+        llama3 = (
+            (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+            if cfg.rope_scaling == "llama3"
+            else None
+        )
         return rope_tables(positions, cfg.d_model // cfg.n_heads, cfg.rope_theta, llama3)
 
     def logits(self, table: jax.Array, x: jax.Array) -> jax.Array:

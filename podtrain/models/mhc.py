@@ -43,6 +43,7 @@ from podtrain.models import llama
 from podtrain.models.layers import RMSNorm, param
 from podtrain.runtime.mesh import constrain
 
+
 @dataclass
 class MhcConfig(llama.LlamaConfig):
     name: str = "mhc"
@@ -54,7 +55,9 @@ class MhcConfig(llama.LlamaConfig):
     def validate(self) -> None:
         super().validate()
         if self.projection == "permutations" and self.streams > 4:
-            raise ConfigError(f"model.projection=permutations mixes all {self.streams}! permutations of the streams; use model.streams<=4 or projection=sinkhorn.")
+            raise ConfigError(
+                f"model.projection=permutations mixes all {self.streams}! permutations of the streams; use model.streams<=4 or projection=sinkhorn."
+            )
 
 
 STREAMS = ("act_batch", "act_seq", "act_streams", "act_embed")  # the residual streams (batch, seq, n, d_model)
@@ -93,16 +96,26 @@ class StreamMixer(nnx.Module):
         self.sizes = (n, n, n_res)  # pre, post, res
         self.norm = RMSNorm(n * cfg.d_model, cfg.norm_eps)
         self.phi = param(rngs, (n * cfg.d_model, sum(self.sizes)), ("embed", "streams"), 1 / math.sqrt(n * cfg.d_model))
-        self.alpha = nnx.Param(jnp.full((3,), cfg.alpha_init, jnp.float32), out_sharding=("streams",), eager_sharding=False)
-        self.bias = nnx.Param(jnp.zeros((sum(self.sizes),), jnp.float32), out_sharding=("streams",), eager_sharding=False)
+        self.alpha = nnx.Param(
+            jnp.full((3,), cfg.alpha_init, jnp.float32), out_sharding=("streams",), eager_sharding=False
+        )
+        self.bias = nnx.Param(
+            jnp.zeros((sum(self.sizes),), jnp.float32), out_sharding=("streams",), eager_sharding=False
+        )
 
     def coefficients(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for streams x (b, t, n, C)."""
         b, t, n, c = x.shape
         flat = self.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
-        pre, post, res = jnp.split(gate * _project(flat, self.phi[...]) + self.bias[...], np.cumsum(self.sizes)[:2], axis=-1)
-        h_res = permutation_mixture(res, n) if self.projection == "permutations" else sinkhorn(res.reshape(b, t, n, n), self.iters)
+        pre, post, res = jnp.split(
+            gate * _project(flat, self.phi[...]) + self.bias[...], np.cumsum(self.sizes)[:2], axis=-1
+        )
+        h_res = (
+            permutation_mixture(res, n)
+            if self.projection == "permutations"
+            else sinkhorn(res.reshape(b, t, n, n), self.iters)
+        )
         return jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post), h_res
 
     def __call__(self, x: jax.Array, branch) -> jax.Array:
@@ -110,7 +123,9 @@ class StreamMixer(nnx.Module):
         to float32 precision); the sum returns to the compute dtype."""
         h_pre, h_post, h_res = self.coefficients(x)
         y = branch(jnp.einsum("btn,btnc->btc", h_pre, x, preferred_element_type=jnp.float32).astype(x.dtype))
-        mixed = jnp.einsum("btnm,btmc->btnc", h_res, x, preferred_element_type=jnp.float32) + jnp.einsum("btn,btc->btnc", h_post, y, preferred_element_type=jnp.float32)
+        mixed = jnp.einsum("btnm,btmc->btnc", h_res, x, preferred_element_type=jnp.float32) + jnp.einsum(
+            "btn,btc->btnc", h_post, y, preferred_element_type=jnp.float32
+        )
         return constrain(mixed.astype(x.dtype), STREAMS)
 
 

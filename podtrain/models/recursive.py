@@ -38,7 +38,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config import ModelConfig, ranged
-from podtrain.models.layers import ACT, HEAD, TABLE, Attention, SwiGLU, embed_tokens, output_head, param, rms_norm, rope_tables, scan_layers, stacked
+from podtrain.models.layers import (
+    ACT,
+    HEAD,
+    TABLE,
+    Attention,
+    SwiGLU,
+    embed_tokens,
+    output_head,
+    param,
+    rms_norm,
+    rope_tables,
+    scan_layers,
+    stacked,
+)
 from podtrain.runtime.mesh import constrain
 
 INIT_KEY = 1234  # the fixed draw of the initial states
@@ -56,7 +69,9 @@ class RecursiveConfig(ModelConfig):
     L_layers: int = ranged(2, ">= 1")
     halt_max_steps: int = ranged(16, ">= 1")
     halt_exploration_prob: float = ranged(0.1, "[0, 1]")
-    no_ACT_continue: bool = True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
+    no_ACT_continue: bool = (
+        True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
+    )
     puzzle_emb_len: int = ranged(16, ">= 1")  # sequence positions in front of the puzzle for its learned embedding
     num_puzzle_ids: int = ranged(1, ">= 1")  # one shared puzzle embedding for Sudoku
     mlp_t: ClassVar[bool] = False  # attention in every block; TRM makes it a key
@@ -92,9 +107,28 @@ class ReasoningBlock(nnx.Module):
         self.eps = cfg.norm_eps
         if mlp_t:
             width = _swiglu_width(seq_len)
-            self.token_mlp = SwiGLU(seq_len, width, std=seq_len**-0.5, out_std=width**-0.5, dtype=dtype, rngs=rngs, axis="seq", x_axes=("act_batch", "act_embed", "act_seq"))
+            self.token_mlp = SwiGLU(
+                seq_len,
+                width,
+                std=seq_len**-0.5,
+                out_std=width**-0.5,
+                dtype=dtype,
+                rngs=rngs,
+                axis="seq",
+                x_axes=("act_batch", "act_embed", "act_seq"),
+            )
         else:
-            self.attn = Attention(d, cfg.n_heads, cfg.n_heads, std=d**-0.5, out_std=d**-0.5, dtype=dtype, implementation=cfg.attention, rngs=rngs, causal=False)
+            self.attn = Attention(
+                d,
+                cfg.n_heads,
+                cfg.n_heads,
+                std=d**-0.5,
+                out_std=d**-0.5,
+                dtype=dtype,
+                implementation=cfg.attention,
+                rngs=rngs,
+                causal=False,
+            )
         self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs)
 
     def __call__(self, h: jax.Array, rope) -> jax.Array:
@@ -126,14 +160,18 @@ class RecursiveReasoner(nnx.Module):
         self.cfg = cfg
         self.length = cfg.max_seq_len + cfg.puzzle_emb_len
         self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), d**-0.5)
-        self.puzzle_emb = nnx.Param(jnp.zeros((cfg.num_puzzle_ids, d), jnp.float32), out_sharding=(None, "embed"), eager_sharding=False)
+        self.puzzle_emb = nnx.Param(
+            jnp.zeros((cfg.num_puzzle_ids, d), jnp.float32), out_sharding=(None, "embed"), eager_sharding=False
+        )
         self.head = param(rngs, (d, cfg.vocab_size), ("embed", "vocab"), d**-0.5)
         self.q_head = nnx.Param(jnp.zeros((d, 2), jnp.float32), out_sharding=("embed", None), eager_sharding=False)
         self.q_bias = nnx.Param(jnp.full((2,), -5.0, jnp.float32), out_sharding=(None,), eager_sharding=False)
 
     def initial_carry(self, batch: int) -> tuple[jax.Array, jax.Array]:
         """(z_H, z_L): the same fixed truncated-normal vector at every position of every puzzle."""
-        h, low = jax.random.truncated_normal(jax.random.key(INIT_KEY), -2.0, 2.0, (2, self.cfg.d_model)) / 0.8796  # std 1 after truncation
+        h, low = (
+            jax.random.truncated_normal(jax.random.key(INIT_KEY), -2.0, 2.0, (2, self.cfg.d_model)) / 0.8796
+        )  # std 1 after truncation
         shape, dtype = (batch, self.length, self.cfg.d_model), jnp.dtype(self.cfg.compute_dtype)
         return tuple(constrain(jnp.broadcast_to(z, shape).astype(dtype), ACT) for z in (h, low))
 
@@ -147,7 +185,11 @@ class RecursiveReasoner(nnx.Module):
     def __call__(self, carry, tokens: jax.Array, puzzle_ids: jax.Array):
         """One segment: (carry, logits (batch, seq, vocab), q (batch, 2) = halt, continue logits)."""
         x = self.inputs(tokens, puzzle_ids)
-        rope = None if self.cfg.mlp_t else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        rope = (
+            None
+            if self.cfg.mlp_t
+            else rope_tables(self.length, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta)
+        )
         z_h, z_l = self.recurse(*carry, x, rope)
         dtype = z_h.dtype
         logits = output_head(z_h[:, self.cfg.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)

@@ -39,7 +39,9 @@ def use_compile_cache(setting: str) -> None:
     `setting` is auto, a folder, or off."""
     if setting == "off":
         return
-    folder = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "podtrain" / "xla" if setting == "auto" else Path(setting)
+    folder = (
+        Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "podtrain" / "xla" if setting == "auto" else Path(setting)
+    )
     jax.config.update("jax_compilation_cache_dir", str(folder.expanduser()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # not the many trivial programs
     jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)  # least recently used entries go beyond it
@@ -56,7 +58,13 @@ def start(cfg: Config, announce: bool = True) -> Runtime:
     rt = Runtime(devices[0].platform, devices, mesh)
     if announce and jax.process_count() > 1:  # every process, so each log shows that it joined
         local = jax.local_devices(backend=rt.platform)
-        print(f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in {join_s:.2f} s, with {len(local)} local {rt.platform} devices", flush=True)
+        print(
+            f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in {join_s:.2f} s, with {len(local)} local {rt.platform} devices",
+            flush=True,
+        )
     if announce and rt.is_main:
-        print(f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, {mesh_lib.describe(mesh)}", flush=True)
+        print(
+            f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, {mesh_lib.describe(mesh)}",
+            flush=True,
+        )
     return rt

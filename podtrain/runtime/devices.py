@@ -11,6 +11,7 @@ from podtrain.errors import DeviceError
 
 PLATFORMS = ("tpu", "gpu", "cpu")  # the order `auto` tries them in
 
+
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -19,7 +20,11 @@ def hide_absent_tpu() -> None:
     """Keep JAX from starting libtpu (the `tpu` extra) on a machine with no TPU, which prints
     a screen of warnings before falling back: ask only for GPU and CPU unless TPU chips
     (/dev/accel*, /dev/vfio) are present or JAX_PLATFORMS says otherwise."""
-    if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and not glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"):
+    if (
+        not os.environ.get("JAX_PLATFORMS")
+        and not jax.config.jax_platforms
+        and not glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*")
+    ):
         jax.config.update("jax_platforms", "cuda,cpu")
 
 

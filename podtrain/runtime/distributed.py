@@ -46,7 +46,9 @@ def _int(environ, name: str) -> int:
 def _check_address(address: str, source: str) -> str:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise DistributedError(f"The coordinator address {address!r} from {source} is not HOST:PORT; give the address of process 0, e.g. 10.0.0.1:1234.")
+        raise DistributedError(
+            f"The coordinator address {address!r} from {source} is not HOST:PORT; give the address of process 0, e.g. 10.0.0.1:1234."
+        )
     return address
 
 
@@ -59,12 +61,23 @@ def _jax_processes(environ) -> Processes:
             "JAX_PROCESS_COUNT=N and JAX_PROCESS_INDEX=I (0..N-1), or none of them for a single process."
         )
     address = _check_address(environ["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS")
-    return Processes(address, _int(environ, "JAX_PROCESS_COUNT"), _int(environ, "JAX_PROCESS_INDEX"), "JAX_PROCESS_INDEX/JAX_PROCESS_COUNT")
+    return Processes(
+        address,
+        _int(environ, "JAX_PROCESS_COUNT"),
+        _int(environ, "JAX_PROCESS_INDEX"),
+        "JAX_PROCESS_INDEX/JAX_PROCESS_COUNT",
+    )
 
 
 def _torchrun_processes(environ) -> Processes:
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if not environ.get(name)]
-    per_node = _int(environ, "LOCAL_WORLD_SIZE") if environ.get("LOCAL_WORLD_SIZE") else _int(environ, "NPROC_PER_NODE") if environ.get("NPROC_PER_NODE") else 1
+    per_node = (
+        _int(environ, "LOCAL_WORLD_SIZE")
+        if environ.get("LOCAL_WORLD_SIZE")
+        else _int(environ, "NPROC_PER_NODE")
+        if environ.get("NPROC_PER_NODE")
+        else 1
+    )
     local_rank = _int(environ, "LOCAL_RANK") if environ.get("LOCAL_RANK") else None
     if environ.get("RANK"):
         rank = _int(environ, "RANK")
@@ -81,7 +94,13 @@ def _torchrun_processes(environ) -> Processes:
     # torchrun's own agent listens on MASTER_PORT, so under torchrun the coordinator takes the next port.
     port = _int(environ, "MASTER_PORT") + (1 if environ.get("TORCHELASTIC_RUN_ID") else 0)
     local_ids = (local_rank,) if per_node > 1 and local_rank is not None else None
-    return Processes(_check_address(f"{environ['MASTER_ADDR']}:{port}", "MASTER_ADDR/MASTER_PORT"), _int(environ, "WORLD_SIZE"), rank, "RANK/WORLD_SIZE", local_ids)
+    return Processes(
+        _check_address(f"{environ['MASTER_ADDR']}:{port}", "MASTER_ADDR/MASTER_PORT"),
+        _int(environ, "WORLD_SIZE"),
+        rank,
+        "RANK/WORLD_SIZE",
+        local_ids,
+    )
 
 
 def from_environment(environ=os.environ) -> Processes | None:
@@ -132,7 +151,9 @@ def _deadline(seconds: int, procs: Processes | None):
         else:
             what = f"Process {procs.index} of {procs.count} ({procs.source}) could not join the coordinator at {procs.coordinator}"
             why = f"{_why(procs)} Check that all {procs.count} processes were started with the same coordinator address and process count, each with its own index."
-        print(f"podtrain: error: {what} within {seconds} s (distributed.init_timeout). {why}", file=sys.stderr, flush=True)
+        print(
+            f"podtrain: error: {what} within {seconds} s (distributed.init_timeout). {why}", file=sys.stderr, flush=True
+        )
         os._exit(DistributedError.exit_code)
 
     timer = threading.Timer(seconds, give_up)
@@ -158,7 +179,13 @@ def initialize(timeout: int, environ=os.environ) -> Processes | None:
     elif procs.count > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         with _deadline(timeout, procs):
-            jax.distributed.initialize(procs.coordinator, procs.count, procs.index, local_device_ids=procs.local_device_ids, initialization_timeout=timeout + JAX_GRACE_S)
+            jax.distributed.initialize(
+                procs.coordinator,
+                procs.count,
+                procs.index,
+                local_device_ids=procs.local_device_ids,
+                initialization_timeout=timeout + JAX_GRACE_S,
+            )
     _joined = procs
     return procs
 
@@ -174,4 +201,9 @@ def _initialize_detected(timeout: int) -> Processes | None:
         raise DistributedError(f"jax.distributed detected a cluster but could not start from it: {e}") from None
     except RuntimeError:  # JAX already runs in this process, which makes it a single process
         return None
-    return Processes("the coordinator jax.distributed detected", jax.process_count(), jax.process_index(), "detected by jax.distributed")
+    return Processes(
+        "the coordinator jax.distributed detected",
+        jax.process_count(),
+        jax.process_index(),
+        "detected by jax.distributed",
+    )

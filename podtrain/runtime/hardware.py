@@ -93,7 +93,11 @@ class Target:
 
     @property
     def label(self) -> str:
-        how = "estimated on fake CPU devices, not compiled for the GPU" if self.estimate else f"compiled for the {self.platform.upper()}"
+        how = (
+            "estimated on fake CPU devices, not compiled for the GPU"
+            if self.estimate
+            else f"compiled for the {self.platform.upper()}"
+        )
         return f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each ({how})"
 
 
@@ -115,7 +119,9 @@ def _topology(generation: str, chips: int) -> list[int]:
 def tpu_target(name: str, generation: str, cores: int) -> Target:
     chips = cores // CORES_PER_CHIP[generation]
     if chips < 1 or chips & (chips - 1):
-        raise ConfigError(f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. {generation}-{8 * CORES_PER_CHIP[generation]}.")
+        raise ConfigError(
+            f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. {generation}-{8 * CORES_PER_CHIP[generation]}."
+        )
     dims = _topology(generation, chips)
     options = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
     if chips < 4:  # smaller than one host's 2x2 chips
@@ -125,7 +131,9 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
     try:
         from jax.experimental import topologies
 
-        topology = topologies.get_topology_desc(platform="tpu", topology_name=f"{generation}:{'x'.join(map(str, dims))}", **options)
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{generation}:{'x'.join(map(str, dims))}", **options
+        )
     except Exception as e:  # no libtpu, or a topology it does not know
         raise DeviceError(
             f"--target {name} compiles for the TPU through libtpu, which could not describe a {generation} {'x'.join(map(str, dims))} slice here "
@@ -186,4 +194,6 @@ def target(name: str) -> Target:
     chip = CHIPS[name.split("x")[0]]
     # JAX's GPU client takes this fraction of the memory up front and allocates from it alone.
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-    return Target(name, "gpu", dataclasses.replace(chip, memory=chip.memory * fraction), fake_devices(name, count), estimate=True)
+    return Target(
+        name, "gpu", dataclasses.replace(chip, memory=chip.memory * fraction), fake_devices(name, count), estimate=True
+    )

@@ -19,7 +19,21 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
@@ -30,10 +44,23 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(([^()]*)\)")
 # Operations that move no data of their own: they name, alias or control.
-_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "iota", "after-all", "partition-id", "replica-id", "opt-barrier"}
+_NO_TRAFFIC = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "iota",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+}
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
-_GROUPS = re.compile(r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})")
+_GROUPS = re.compile(
+    r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})"
+)
 
 
 @dataclass(frozen=True)
@@ -126,13 +153,26 @@ def collectives(hlo: str) -> list[Collective]:
             result, kind, started = match.groups()
             arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result)]
             if started and kind in ("all-gather", "collective-permute"):
-                arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]  # (inputs, outputs[, flags])
+                arrays = (
+                    arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
+                )  # (inputs, outputs[, flags])
             groups = _GROUPS.search(line)
             group_size = _group_size(groups.group(1)) if groups else None
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
             if kind == "reduce-scatter":
                 size *= group_size or 1
-            found.append(Collective(kind, tuple(s for _, s in arrays), arrays[0][0], size, group_size, groups.group(1) if groups else "", times[name], name))
+            found.append(
+                Collective(
+                    kind,
+                    tuple(s for _, s in arrays),
+                    arrays[0][0],
+                    size,
+                    group_size,
+                    groups.group(1) if groups else "",
+                    times[name],
+                    name,
+                )
+            )
     return found
 
 
@@ -150,7 +190,9 @@ def _dims(text: str) -> tuple[int, ...]:
 
 def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
     """One attribute of a convolution's window={size=2x16 stride=1x15 pad=0_0x15_15 ...}, per spatial dimension."""
-    found = re.search(rf"\b{key}=([\d_x]+)", line.split("window={", 1)[-1].split("}", 1)[0]) if "window={" in line else None
+    found = (
+        re.search(rf"\b{key}=([\d_x]+)", line.split("window={", 1)[-1].split("}", 1)[0]) if "window={" in line else None
+    )
     return [[int(v) for v in d.split("_")] for d in found.group(1).split("x")] if found else [[default, default]] * rank
 
 
@@ -166,10 +208,22 @@ def _convolution_macs(line: str, lhs: tuple, rhs: tuple, out: tuple) -> int:
     labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line).groups()
     spatial = sorted({c for c in labels[0] if c.isdigit()})
     macs = out[labels[2].index("b")] * out[labels[2].index("f")] * rhs[labels[1].index("i")]
-    sizes, strides, pads = _window(line, "size", len(spatial), 1), _window(line, "stride", len(spatial), 1), _window(line, "pad", len(spatial), 0)
+    sizes, strides, pads = (
+        _window(line, "size", len(spatial), 1),
+        _window(line, "stride", len(spatial), 1),
+        _window(line, "pad", len(spatial), 0),
+    )
     lhs_dilate, rhs_dilate = _window(line, "lhs_dilate", len(spatial), 1), _window(line, "rhs_dilate", len(spatial), 1)
     for i, d in enumerate(spatial):
-        macs *= _taps(out[labels[2].index(d)], sizes[i][0], lhs[labels[0].index(d)], strides[i][0], pads[i][0], lhs_dilate[i][0], rhs_dilate[i][0])
+        macs *= _taps(
+            out[labels[2].index(d)],
+            sizes[i][0],
+            lhs[labels[0].index(d)],
+            strides[i][0],
+            pads[i][0],
+            lhs_dilate[i][0],
+            rhs_dilate[i][0],
+        )
     return macs
 
 
@@ -188,7 +242,9 @@ def matmul_flops(hlo: str) -> int:
             shapes[result] = _dims(arrays[0][1]) if len(arrays) == 1 else ()
             if op == "dot":
                 contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-                macs = math.prod(shapes[result]) * (math.prod(shapes[operands[0]][int(d)] for d in _dims(contracting.group(1))) if contracting else 1)
+                macs = math.prod(shapes[result]) * (
+                    math.prod(shapes[operands[0]][int(d)] for d in _dims(contracting.group(1))) if contracting else 1
+                )
             elif op == "convolution":
                 macs = _convolution_macs(line, shapes[operands[0]], shapes[operands[1]], shapes[result])
             else:
@@ -251,7 +307,9 @@ def memory_traffic(hlo: str) -> int:
             elif op in ("call", "conditional"):
                 total += sum(visit(c) for c in _callees(line))
             elif op == "fusion":
-                total += _accesses(bodies[re.search(r"\bcalls=%?([\w.\-]+)", line).group(1)], [sizes.get(o, 0) for o in operands], size)
+                total += _accesses(
+                    bodies[re.search(r"\bcalls=%?([\w.\-]+)", line).group(1)], [sizes.get(o, 0) for o in operands], size
+                )
             elif op in _SLICES:
                 total += 2 * size
             elif op == "dynamic-update-slice":

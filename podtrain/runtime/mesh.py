@@ -51,7 +51,9 @@ _TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("pod
 
 
 def factorizations(n: int) -> list[tuple[int, int, int]]:
-    return [(d, f, n // (d * f)) for d in range(n, 0, -1) if n % d == 0 for f in range(n // d, 0, -1) if (n // d) % f == 0]
+    return [
+        (d, f, n // (d * f)) for d in range(n, 0, -1) if n % d == 0 for f in range(n // d, 0, -1) if (n // d) % f == 0
+    ]
 
 
 def resolve_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:

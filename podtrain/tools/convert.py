@@ -30,9 +30,20 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
         raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
     has_tokenizer = (folder / "tokenizer.json").is_file()
     keys = model_keys(read_hf_config(folder), source)
-    seq_len = min(default_config("llama").train.seq_len, keys["max_seq_len"])  # the default, where the model's positions allow it
+    seq_len = min(
+        default_config("llama").train.seq_len, keys["max_seq_len"]
+    )  # the default, where the model's positions allow it
     tokenizer = [f"data.tokenizer={(run / RUN_TOKENIZER).resolve()}"] if has_tokenizer else []
-    cfg = load_config(None, [*(f"model.{k}={v}" for k, v in keys.items()), f"train.seq_len={seq_len}", *tokenizer, f"run_dir={run_dir}", *overrides])
+    cfg = load_config(
+        None,
+        [
+            *(f"model.{k}={v}" for k, v in keys.items()),
+            f"train.seq_len={seq_len}",
+            *tokenizer,
+            f"run_dir={run_dir}",
+            *overrides,
+        ],
+    )
     rt = runtime.start(cfg, announce=False)
     fns = model_fns(resolve_auto(cfg, rt.platform), rt.mesh)
     start = time.perf_counter()
@@ -55,7 +66,9 @@ def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
     tokenizer: what `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads."""
     cfg, _, params = run_model(run_dir)
     if cfg.model.name != "llama":
-        raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture (LlamaForCausalLM) to export to.")
+        raise ConfigError(
+            f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture (LlamaForCausalLM) to export to."
+        )
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
     out = Path(out_dir)
@@ -63,7 +76,9 @@ def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
     tokenizer = run_tokenizer(run_dir)
     files = write_params(params, out, dtype)
     (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2)
+    )
     if tokenizer.file:
         keep_tokenizer(tokenizer, out)
     return files

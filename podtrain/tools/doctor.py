@@ -21,7 +21,11 @@ def all_reduce(mesh: Mesh, repeats: int = 10) -> tuple[float, float, float]:
     """Sum over all devices of (owning process index + 1): (result, expected, median seconds)."""
     devices = mesh.devices.ravel()
     shape = (devices.size,)  # one element per device
-    x = jax.make_array_from_callback(shape, NamedSharding(mesh, PartitionSpec(mesh.axis_names)), lambda _: np.full((1,), jax.process_index() + 1.0, np.float32))
+    x = jax.make_array_from_callback(
+        shape,
+        NamedSharding(mesh, PartitionSpec(mesh.axis_names)),
+        lambda _: np.full((1,), jax.process_index() + 1.0, np.float32),
+    )
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, PartitionSpec()))
     result = float(total(x))  # also compiles
     times = []
@@ -46,6 +50,11 @@ def doctor(cfg: Config) -> None:
     wrong = [i for i in range(count) if results[i, 0] != expected]
     if rt.is_main:
         slowest = int(results[:, 1].argmax())
-        print(f"[doctor] {count - len(wrong)}/{count} processes got the right all-reduce; slowest: process {slowest} at {results[slowest, 1] * 1e3:.2f} ms", flush=True)
+        print(
+            f"[doctor] {count - len(wrong)}/{count} processes got the right all-reduce; slowest: process {slowest} at {results[slowest, 1] * 1e3:.2f} ms",
+            flush=True,
+        )
     if wrong:
-        raise DistributedError(f"The all-reduce over the mesh gave a wrong result on processes {wrong} (expected {expected:g}); check those hosts' devices and interconnect.")
+        raise DistributedError(
+            f"The all-reduce over the mesh gave a wrong result on processes {wrong} (expected {expected:g}); check those hosts' devices and interconnect."
+        )

@@ -38,15 +38,27 @@ def gpus_per_process(nproc: int, devices_per_proc: int | None) -> int:
         return 0
     per_proc = devices_per_proc or gpus // nproc
     if per_proc < 1 or per_proc * nproc > gpus:
-        raise ConfigError(f"{nproc} processes x {devices_per_proc or per_proc} GPUs do not fit the {gpus} GPUs of this machine; lower --nproc or --devices-per-proc.")
+        raise ConfigError(
+            f"{nproc} processes x {devices_per_proc or per_proc} GPUs do not fit the {gpus} GPUs of this machine; lower --nproc or --devices-per-proc."
+        )
     return per_proc
 
 
-def child_env(base: dict, coordinator: str, count: int, rank: int, local_rank: int, devices_per_proc: int | None, gpus: int) -> dict:
-    env = {**base, "JAX_COORDINATOR_ADDRESS": coordinator, "JAX_PROCESS_COUNT": str(count), "JAX_PROCESS_INDEX": str(rank), "PYTHONUNBUFFERED": "1"}
+def child_env(
+    base: dict, coordinator: str, count: int, rank: int, local_rank: int, devices_per_proc: int | None, gpus: int
+) -> dict:
+    env = {
+        **base,
+        "JAX_COORDINATOR_ADDRESS": coordinator,
+        "JAX_PROCESS_COUNT": str(count),
+        "JAX_PROCESS_INDEX": str(rank),
+        "PYTHONUNBUFFERED": "1",
+    }
     if devices_per_proc:
         # Only JAX's CPU platform reads the fake device count, so it is harmless on GPU and TPU hosts.
-        env["XLA_FLAGS"] = f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_proc}".strip()
+        env["XLA_FLAGS"] = (
+            f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_proc}".strip()
+        )
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local_rank * gpus + i) for i in range(gpus))
     return env
@@ -88,18 +100,32 @@ def _stop(processes: list[_Process]) -> None:
             p.wait()
 
 
-def launch(argv: list[str], nproc: int, log_dir: Path, devices_per_proc: int | None = None, nnodes: int = 1, node_rank: int = 0, coordinator: str | None = None) -> int:
+def launch(
+    argv: list[str],
+    nproc: int,
+    log_dir: Path,
+    devices_per_proc: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    coordinator: str | None = None,
+) -> int:
     """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc.
     Returns 0 when all succeed, else the exit status of the first to fail."""
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ConfigError(f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}: need nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes.")
+        raise ConfigError(
+            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}: need nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes."
+        )
     if nnodes > 1 and not coordinator:
-        raise ConfigError("A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can reach (or MASTER_ADDR and MASTER_PORT).")
+        raise ConfigError(
+            "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can reach (or MASTER_ADDR and MASTER_PORT)."
+        )
     coordinator = coordinator or f"127.0.0.1:{free_port()}"
     gpus = gpus_per_process(nproc, devices_per_proc)
     log_dir.mkdir(parents=True, exist_ok=True)
     count, base, lock = nnodes * nproc, dict(os.environ), threading.Lock()
-    print(f"[launch] {nproc} of {count} processes on this node, coordinator {coordinator}, logs in {log_dir}/", flush=True)
+    print(
+        f"[launch] {nproc} of {count} processes on this node, coordinator {coordinator}, logs in {log_dir}/", flush=True
+    )
     processes: list[_Process] = []
     asked: list[int] = []
 
@@ -108,7 +134,11 @@ def launch(argv: list[str], nproc: int, log_dir: Path, devices_per_proc: int | N
         if asked:
             sys.exit(128 + signum)
         asked.append(signum)
-        print(f"[launch] {signal.Signals(signum).name}: asking the processes to save and stop (again to stop them at once)", file=sys.stderr, flush=True)
+        print(
+            f"[launch] {signal.Signals(signum).name}: asking the processes to save and stop (again to stop them at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         for p in processes:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -126,7 +156,11 @@ def launch(argv: list[str], nproc: int, log_dir: Path, devices_per_proc: int | N
             failed = next((p for p, code in zip(processes, codes) if code not in (None, 0, Preempted.exit_code)), None)
             if failed:
                 code = failed.popen.returncode
-                print(f"[launch] process {failed.rank} ended with {_exit_status(code)}; stopping the other processes", file=sys.stderr, flush=True)
+                print(
+                    f"[launch] process {failed.rank} ended with {_exit_status(code)}; stopping the other processes",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return code if code > 0 else 128 - code
             if None not in codes:  # all done, or all stopped after saving at the same step
                 return Preempted.exit_code if Preempted.exit_code in codes else 0

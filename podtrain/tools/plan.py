@@ -48,7 +48,7 @@ class Plan:
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
     remedy: dict | None = None  # the smallest change that fits, when this does not
-    remedy_plan: "Plan | None" = None
+    remedy_plan: Plan | None = None
 
     @property
     def fits(self) -> bool:
@@ -107,7 +107,17 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     job = build(cfg, mesh, data=False)
     clock = time.perf_counter()
     memory, compiled = fit.measure(job, target.chip.memory)
-    result = Plan(target, cfg, resolve_shape(cfg.mesh, n), memory, job.tokens_per_step, job.flops_per_step, None, None, compile_s=time.perf_counter() - clock)
+    result = Plan(
+        target,
+        cfg,
+        resolve_shape(cfg.mesh, n),
+        memory,
+        job.tokens_per_step,
+        job.flops_per_step,
+        None,
+        None,
+        compile_s=time.perf_counter() - clock,
+    )
     if compiled is not None:
         text = compiled.as_text()
         found = hlo.collectives(text)
@@ -158,7 +168,13 @@ def as_json(p: Plan) -> dict:
         "remat": p.cfg.model.remat,
         "grad_accum": p.cfg.train.grad_accum,
         "fits": p.fits,
-        "bytes_per_device": {"params": m.params, "optimizer": m.optimizer, "gradients": m.gradients, "temporaries": m.temporaries, "total": m.total},
+        "bytes_per_device": {
+            "params": m.params,
+            "optimizer": m.optimizer,
+            "gradients": m.gradients,
+            "temporaries": m.temporaries,
+            "total": m.total,
+        },
         "device_bytes": m.available,
         "flops_per_step": p.flops_per_step,
         "matmul_flops_per_device": p.matmul_flops,
@@ -200,10 +216,18 @@ def report(p: Plan) -> str:
         f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} (gradients {_gib(m.gradients)} among them)",
         f"            = {_gib(m.total)} per device of {_gib(m.available)}: " + ("fits" if p.fits else "DOES NOT FIT"),
         f"flops       model {p.flops_per_step:.3g} per step"
-        + (f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = {p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's" if p.matmul_flops else "")
+        + (
+            f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = {p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's"
+            if p.matmul_flops
+            else ""
+        )
         + (f"; XLA cost_analysis {p.xla_cost_flops:.3g} (counts a scanned layer once)" if p.xla_cost_flops else ""),
-        f"traffic     {_gib(p.traffic)} read and written in device memory per device per step" if p.traffic else "traffic     -",
-        "network     " + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in p.collectives.items() if v) or "no collectives") + " per device per step",
+        f"traffic     {_gib(p.traffic)} read and written in device memory per device per step"
+        if p.traffic
+        else "traffic     -",
+        "network     "
+        + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in p.collectives.items() if v) or "no collectives")
+        + " per device per step",
         f"speed       {_speed(p)}" + (" [estimate]" if p.target.estimate else ""),
     ]
     if p.times:
@@ -216,13 +240,18 @@ def report(p: Plan) -> str:
 
 
 def sweep_table(rows: list) -> str:
-    lines = [f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"]
+    lines = [
+        f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
+    ]
     for changes, p in rows:
         mesh = f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} {changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
         if isinstance(p, str):
             lines.append(f"{mesh}  cannot: {p.split('. ')[0]}")
         else:
-            speed = f"{p.step_time * 1e3:>9,.1f}  {p.tokens_per_sec:>10,.0f}  {p.mfu:>6.1%}" if p.step_time else f"{'-':>9}  {'-':>10}  {'-':>6}"
+            speed = (
+                f"{p.step_time * 1e3:>9,.1f}  {p.tokens_per_sec:>10,.0f}  {p.mfu:>6.1%}"
+                if p.step_time
+                else f"{'-':>9}  {'-':>10}  {'-':>6}"
+            )
             lines.append(f"{mesh}  {p.memory.total / GiB:>10.2f}  {'yes' if p.fits else 'no':>4}  {speed}")
     return "\n".join(lines)
-

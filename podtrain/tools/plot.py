@@ -12,7 +12,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from podtrain.errors import DataError  # noqa: E402
 from podtrain.train.metrics import read_metrics  # noqa: E402
 
-PANELS = (("loss", "loss (nats/token)"), ("lr", "learning rate"), ("tokens_per_sec", "tokens/s"), ("val_cell_accuracy", "held-out cell accuracy"))
+PANELS = (
+    ("loss", "loss (nats/token)"),
+    ("lr", "learning rate"),
+    ("tokens_per_sec", "tokens/s"),
+    ("val_cell_accuracy", "held-out cell accuracy"),
+)
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:

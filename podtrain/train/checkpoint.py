@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import jax
@@ -38,7 +38,9 @@ class CheckpointMismatch(CheckpointError):
     """A checkpoint whose arrays have other shapes than the state it is restored into."""
 
     def __init__(self, step: int, differences: list[str]):
-        super().__init__(f"The checkpoint at step {step} holds other arrays than this config makes: {'; '.join(differences[:4])}.")
+        super().__init__(
+            f"The checkpoint at step {step} holds other arrays than this config makes: {'; '.join(differences[:4])}."
+        )
         self.step, self.differences = step, differences
 
 
@@ -70,11 +72,17 @@ def _agree(ok: bool) -> bool:
 
 
 def _shapes(tree) -> dict[str, tuple]:
-    return {leaf_name(p): (tuple(x.shape), np.dtype(x.dtype).name) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        leaf_name(p): (tuple(x.shape), np.dtype(x.dtype).name) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def _differences(saved: dict, wanted: dict) -> list[str]:
-    out = [f"{k} is {saved[k][1]}{list(saved[k][0])} there, {wanted[k][1]}{list(wanted[k][0])} here" for k in wanted if k in saved and saved[k] != wanted[k]]
+    out = [
+        f"{k} is {saved[k][1]}{list(saved[k][0])} there, {wanted[k][1]}{list(wanted[k][0])} here"
+        for k in wanted
+        if k in saved and saved[k] != wanted[k]
+    ]
     out += [f"{k} is not in it" for k in wanted if k not in saved]
     return out + [f"{k} is in it but not in this state" for k in saved if k not in wanted]
 
@@ -85,10 +93,15 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         try:
             # Handlers for every item, so that a fresh manager reads any checkpoint's metadata.
-            handlers = {**{name: ocp.StandardCheckpointHandler() for name in ITEMS}, DIGEST: ocp.JsonCheckpointHandler()}
+            handlers = {
+                **{name: ocp.StandardCheckpointHandler() for name in ITEMS},
+                DIGEST: ocp.JsonCheckpointHandler(),
+            }
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         except Exception as e:  # an unreachable bucket, a file in the way, no permission
-            raise CheckpointError(f"Cannot open the checkpoint directory {self.directory}: {_first_line(e)}. Check checkpoint.dir.") from None
+            raise CheckpointError(
+                f"Cannot open the checkpoint directory {self.directory}: {_first_line(e)}. Check checkpoint.dir."
+            ) from None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -107,7 +120,11 @@ class Checkpointer:
         reaches the one agreement below, whichever of them failed to read."""
         try:
             metadata = self.manager.item_metadata(step)
-            saved = {name: _shapes(getattr(metadata[name], "tree", metadata[name])) for name in abstract if metadata.get(name) is not None}
+            saved = {
+                name: _shapes(getattr(metadata[name], "tree", metadata[name]))
+                for name in abstract
+                if metadata.get(name) is not None
+            }
         except Exception as e:
             error = f"its metadata cannot be read ({_first_line(e)})"
         else:
@@ -117,7 +134,10 @@ class Checkpointer:
                     raise CheckpointMismatch(step, [f"{name}/{d}" for d in differences])
             items = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()}
             try:
-                restored, error = self.manager.restore(step, args=ocp.args.Composite(**items, **{DIGEST: ocp.args.JsonRestore()})), None
+                restored, error = (
+                    self.manager.restore(step, args=ocp.args.Composite(**items, **{DIGEST: ocp.args.JsonRestore()})),
+                    None,
+                )
             except Exception as e:  # truncated or missing files; tensorstore and orbax raise many kinds
                 error = f"its files cannot be read ({_first_line(e)})"
         if not _agree(error is None):
@@ -126,7 +146,9 @@ class Checkpointer:
         found = checksums({name: restored[name] for name in abstract})
         wrong = [path for path, sums in found.items() if recorded.get(path) != sums]
         if wrong:
-            raise _Damaged(f"{len(wrong)} of its {len(found)} arrays differ from their recorded checksums, e.g. {wrong[0]}")
+            raise _Damaged(
+                f"{len(wrong)} of its {len(found)} arrays differ from their recorded checksums, e.g. {wrong[0]}"
+            )
         return {name: restored[name] for name in abstract}
 
     def restore(self, abstract: dict, set_aside: bool = False, say=lambda line: print(line, file=sys.stderr)) -> dict:
@@ -144,12 +166,17 @@ class Checkpointer:
             if damaged:
                 if set_aside:
                     self._set_aside([s for s, _ in damaged])
-                say(f"[podtrain] resuming from step {step}, the newest intact checkpoint" + (f"; set aside as {', '.join(f'{s}.damaged' for s, _ in damaged)}." if set_aside else "."))
+                say(
+                    f"[podtrain] resuming from step {step}, the newest intact checkpoint"
+                    + (f"; set aside as {', '.join(f'{s}.damaged' for s, _ in damaged)}." if set_aside else ".")
+                )
             mesh = jax.tree.leaves(abstract)[0].sharding.mesh
             return {**state, "step": jax.device_put(jnp.int32(step), NamedSharding(mesh, PartitionSpec()))}
         if damaged:
             listing = "; ".join(f"step {s}: {why}" for s, why in damaged)
-            raise CheckpointError(f"No intact checkpoint in {self.directory} ({listing}). Nothing was renamed or deleted; move them away to start afresh, or use a new run_dir.")
+            raise CheckpointError(
+                f"No intact checkpoint in {self.directory} ({listing}). Nothing was renamed or deleted; move them away to start afresh, or use a new run_dir."
+            )
         raise CheckpointError(f"No checkpoint in {self.directory}; train first (podtrain train ... run_dir=...).")
 
     def holds(self, step: int, item: str) -> bool:
@@ -191,22 +218,32 @@ def describe(directory) -> list[dict]:
     """Each checkpoint's step, commit time, size, fingerprint of its checksums, and whether it
     verifies, restoring one item at a time onto this host's first device."""
     if not epath.Path(location(directory)).exists():
-        raise CheckpointError(f"No checkpoints at {location(directory)}; train first, or give the run_dir of a run that saved some.")
+        raise CheckpointError(
+            f"No checkpoints at {location(directory)}; train first, or give the run_dir of a run that saved some."
+        )
     checkpointer = Checkpointer(directory)
     mesh = Mesh(np.array(jax.devices()[:1]), ("all",))
     single = NamedSharding(mesh, PartitionSpec())
     rows = []
     for step in checkpointer.manager.all_steps():
         folder = epath.Path(checkpointer.directory) / str(step)
-        row = {"step": step, "time": datetime.fromtimestamp(folder.stat().mtime, timezone.utc).isoformat(timespec="seconds"), "bytes": _size(folder)}
+        row = {
+            "step": step,
+            "time": datetime.fromtimestamp(folder.stat().mtime, UTC).isoformat(timespec="seconds"),
+            "bytes": _size(folder),
+        }
         try:
-            recorded = checkpointer.manager.restore(step, args=ocp.args.Composite(**{DIGEST: ocp.args.JsonRestore()}))[DIGEST]
+            recorded = checkpointer.manager.restore(step, args=ocp.args.Composite(**{DIGEST: ocp.args.JsonRestore()}))[
+                DIGEST
+            ]
             metadata = checkpointer.manager.item_metadata(step)
             names = [name for name in metadata.keys() if name != DIGEST and metadata[name] is not None]
             row["digest"] = fingerprint(recorded)
             for name in names:
                 tree = getattr(metadata[name], "tree", metadata[name])
-                checkpointer._restore_step(step, {name: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=single), tree)})
+                checkpointer._restore_step(
+                    step, {name: jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=single), tree)}
+                )
             row["verified"], row["problem"] = True, None
         except Exception as e:  # damaged: reported, not raised
             row.setdefault("digest", None)

@@ -12,8 +12,8 @@ import copy
 import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 
@@ -101,10 +101,18 @@ def remedies(cfg: Config, n_devices: int) -> list[dict]:
     remat dots then full, a smaller microbatch with gradient accumulation; then all together."""
     data, fsdp, tensor = resolve_shape(cfg.mesh, n_devices)
     t, policies = cfg.train, ("none", "dots", "full")
-    sharded = [{"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.tensor": tensor} for k in (2**i for i in range(1, 31)) if data % k == 0]
+    sharded = [
+        {"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.tensor": tensor}
+        for k in (2**i for i in range(1, 31))
+        if data % k == 0
+    ]
     remat = [{"model.remat": p} for p in policies[policies.index(cfg.model.remat) + 1 :]]
     dp = n_devices // tensor  # the microbatch splits over data x fsdp whatever their split
-    accum = [{"train.grad_accum": a} for a in range(t.grad_accum + 1, t.batch_size + 1) if t.batch_size % a == 0 and (t.batch_size // a) % dp == 0]
+    accum = [
+        {"train.grad_accum": a}
+        for a in range(t.grad_accum + 1, t.batch_size + 1)
+        if t.batch_size % a == 0 and (t.batch_size // a) % dp == 0
+    ]
     most = {**(sharded[-1] if sharded else {}), "model.remat": "full"}
     return [*sharded, *remat, *accum, most, *({**most, **a} for a in accum)]
 
@@ -145,5 +153,7 @@ def check(job: Job, cfg: Config, devices: list) -> None:
     memory, _ = measure(job, available)
     if memory.fits:
         return
-    fix, _ = smallest_fix(cfg, len(devices), lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0])
+    fix, _ = smallest_fix(
+        cfg, len(devices), lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0]
+    )
     raise DoesNotFit(f"{advice(memory, len(devices), fix)} `podtrain plan` with --target shows where the memory goes.")

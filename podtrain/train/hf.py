@@ -23,7 +23,15 @@ from podtrain.train.digest import leaf_name
 
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size: larger exports are sharded with an index
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", INDEX, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    INDEX,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+]
 
 # podtrain parameter -> (Hugging Face tensor, axes of the podtrain array that are the input side of
 # torch's (out, in) Linear weight, which is stored transposed; 0: stored as is). {i} is the layer.
@@ -43,7 +51,12 @@ TENSORS = {
 }
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
 SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
-ROPE_SCALING_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor": "high_freq_factor", "rope_original_max_len": "original_max_position_embeddings"}
+ROPE_SCALING_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_len": "original_max_position_embeddings",
+}
 UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}  # what podtrain's Llama computes
 
 
@@ -52,13 +65,19 @@ def model_keys(hf: dict, where: str) -> dict:
     refusing any option it does not compute, by name."""
     if hf.get("model_type") != "llama":
         kind = hf.get("model_type") or (hf.get("architectures") or ["an unknown architecture"])[0]
-        raise ConfigError(f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type llama: Llama, SmolLM, TinyLlama).")
+        raise ConfigError(
+            f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type llama: Llama, SmolLM, TinyLlama)."
+        )
     for key, value in UNSUPPORTED.items():
         if hf.get(key, value) != value:
-            raise ConfigError(f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so this checkpoint cannot be converted.")
+            raise ConfigError(
+                f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so this checkpoint cannot be converted."
+            )
     d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d_model // n_heads):
-        raise ConfigError(f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / num_attention_heads = {d_model // n_heads}.")
+        raise ConfigError(
+            f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / num_attention_heads = {d_model // n_heads}."
+        )
     # transformers >= 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
     rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -79,14 +98,23 @@ def model_keys(hf: dict, where: str) -> dict:
     if kind == "llama3":
         keys |= {"rope_scaling": kind, **{ours: rope[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
     elif kind != "default":
-        raise ConfigError(f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary embedding and Llama 3's (`llama3`).")
+        raise ConfigError(
+            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary embedding and Llama 3's (`llama3`)."
+        )
     return keys
 
 
 def hf_config(model, eos_id: int | None, dtype: str) -> dict:
     """config.json of `LlamaForCausalLM` for podtrain's Llama config `model`; the rotary settings in
     the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
-    scaling = {"rope_type": model.rope_scaling, **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()}} if model.rope_scaling != "none" else None
+    scaling = (
+        {
+            "rope_type": model.rope_scaling,
+            **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()},
+        }
+        if model.rope_scaling != "none"
+        else None
+    )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -111,7 +139,9 @@ def hf_config(model, eos_id: int | None, dtype: str) -> dict:
 
 def shape_differences(keys: dict, model) -> list[str]:
     """The layer sizes in which an HF config's keys and a podtrain model config differ."""
-    return [f"model.{k} ({keys[k]} there, {getattr(model, k)} here)" for k in SHAPE_KEYS if keys[k] != getattr(model, k)]
+    return [
+        f"model.{k} ({keys[k]} there, {getattr(model, k)} here)" for k in SHAPE_KEYS if keys[k] != getattr(model, k)
+    ]
 
 
 def hf_folder(source: str) -> Path:
@@ -119,7 +149,9 @@ def hf_folder(source: str) -> Path:
     path = Path(source)
     if not path.is_dir():
         if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
-            raise ConfigError(f"{source} is neither a folder with a Hugging Face checkpoint (config.json and *.safetensors) nor a hub model name like HuggingFaceTB/SmolLM-135M.")
+            raise ConfigError(
+                f"{source} is neither a folder with a Hugging Face checkpoint (config.json and *.safetensors) nor a hub model name like HuggingFaceTB/SmolLM-135M."
+            )
         from huggingface_hub import snapshot_download
 
         try:
@@ -130,7 +162,9 @@ def hf_folder(source: str) -> Path:
                 "Check the name, that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with config.json and *.safetensors."
             ) from None
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} has no config.json; give the folder of a Hugging Face model (config.json and *.safetensors).")
+        raise ConfigError(
+            f"{path} has no config.json; give the folder of a Hugging Face model (config.json and *.safetensors)."
+        )
     return path
 
 
@@ -146,19 +180,27 @@ class SafeTensors:
         from safetensors import safe_open
 
         if (folder / INDEX).is_file():
-            where = {name: folder / file for name, file in json.loads((folder / INDEX).read_text())["weight_map"].items()}
+            where = {
+                name: folder / file for name, file in json.loads((folder / INDEX).read_text())["weight_map"].items()
+            }
         else:
             files = sorted(folder.glob("*.safetensors"))
             pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
             if not files:
-                hint = f"; its {', '.join(pickles)} are pickles, which podtrain never loads (they can run code). Convert them first, e.g. `transformers` save_pretrained(..., safe_serialization=True)" if pickles else ""
+                hint = (
+                    f"; its {', '.join(pickles)} are pickles, which podtrain never loads (they can run code). Convert them first, e.g. `transformers` save_pretrained(..., safe_serialization=True)"
+                    if pickles
+                    else ""
+                )
                 raise CheckpointError(f"{folder} has no *.safetensors files{hint}.")
             where = {}
             for file in files:
                 with safe_open(file, "numpy") as f:
                     where |= dict.fromkeys(f.keys(), file)
         self._stack = ExitStack()
-        self._files = {file: self._stack.enter_context(safe_open(file, "numpy")) for file in sorted(set(where.values()))}
+        self._files = {
+            file: self._stack.enter_context(safe_open(file, "numpy")) for file in sorted(set(where.values()))
+        }
         self.where = where
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -199,16 +241,30 @@ def read_params(folder: Path, abstract_params, where: str):
         tied_copy = {"lm_head.weight"} if "head" not in paths else set()  # some tied exports keep a copy
         extra = sorted(n for n in set(tensors.where) - wanted - tied_copy if not n.endswith(IGNORED))
         if missing or extra:
-            listing = (f"it lacks {', '.join(missing[:3])}" if missing else "") + ("; " if missing and extra else "") + (f"it has tensors podtrain's Llama has no place for: {', '.join(extra[:3])}" if extra else "")
+            listing = (
+                (f"it lacks {', '.join(missing[:3])}" if missing else "")
+                + ("; " if missing and extra else "")
+                + (f"it has tensors podtrain's Llama has no place for: {', '.join(extra[:3])}" if extra else "")
+            )
             raise CheckpointError(f"{where} does not hold the tensors of this Llama config: {listing}.")
         arrays = []
         for path, (_, leaf) in zip(paths, leaves):
             in_axes, names = TENSORS[path][1], _names(path, n_layers)
             stacked = path.startswith("layers/")
-            one = jax.ShapeDtypeStruct(_one(path, leaf.shape), leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:]))) if stacked else leaf
+            one = (
+                jax.ShapeDtypeStruct(
+                    _one(path, leaf.shape),
+                    leaf.dtype,
+                    sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:])),
+                )
+                if stacked
+                else leaf
+            )
             for name in names:
                 if tensors.shape(name) != _hf_shape(one.shape, in_axes):
-                    raise CheckpointError(f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one.shape, in_axes))}.")
+                    raise CheckpointError(
+                        f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one.shape, in_axes))}."
+                    )
             placed = (_place(tensors.get(name), one, in_axes) for name in names)
             arrays.append(_stacked(placed, leaf) if stacked else next(placed))
         return jax.tree_util.tree_unflatten(treedef, arrays)
@@ -226,7 +282,11 @@ def _stacked(layers, leaf: jax.ShapeDtypeStruct) -> jax.Array:
     """A (layers, ...) param assembled where it lives, one layer written in place at a time, so
     that the host never holds the stack."""
     empty = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)
-    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0), donate_argnums=0, out_shardings=leaf.sharding)
+    put = jax.jit(
+        lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+        donate_argnums=0,
+        out_shardings=leaf.sharding,
+    )
     stack = empty()
     for i, layer in enumerate(layers):
         stack = put(stack, layer, i)
@@ -245,7 +305,11 @@ def write_params(params, out: Path, dtype: str) -> list[str]:
     def entries():
         """(name, shape, how to make it), in the order transformers lists them."""
         for path, x in flat.items():
-            in_axes, stacked, shape = TENSORS[path][1], path.startswith("layers/"), _hf_shape(_one(path, x.shape), TENSORS[path][1])
+            in_axes, stacked, shape = (
+                TENSORS[path][1],
+                path.startswith("layers/"),
+                _hf_shape(_one(path, x.shape), TENSORS[path][1]),
+            )
             for i, name in enumerate(_names(path, n_layers)):
 
                 def make(x=x, i=i, stacked=stacked, in_axes=in_axes, shape=shape):
@@ -262,7 +326,11 @@ def write_params(params, out: Path, dtype: str) -> list[str]:
             size = 0
         shards[-1].append(entry)
         size, total = size + nbytes, total + nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     weight_map = {}
     for file, shard in zip(names, shards):
         save_file({name: make() for name, _, make in shard}, out / file, metadata={"format": "pt"})

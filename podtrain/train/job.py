@@ -7,8 +7,8 @@ run's first step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from podtrain.config import Config
 from podtrain.errors import ConfigError
@@ -65,7 +65,11 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
-    eval_step = sharded_jit(lambda params, batch: task.eval_fn(fns.module(params), batch), mesh, in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)))
+    eval_step = sharded_jit(
+        lambda params, batch: task.eval_fn(fns.module(params), batch),
+        mesh,
+        in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
+    )
     tokens_per_step = t.batch_size * task.positions
     flops_per_step = flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
     return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)

@@ -83,9 +83,15 @@ class LanguageTask(Task):
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t = cfg.train
         if cfg.data.source == "sudoku":
-            raise ConfigError(f"data.source=sudoku holds puzzles for model.name=hrm or trm, not text for model.name={cfg.model.name}; use data.source=pydoc, text or tokens.")
+            raise ConfigError(
+                f"data.source=sudoku holds puzzles for model.name=hrm or trm, not text for model.name={cfg.model.name}; use data.source=pydoc, text or tokens."
+            )
         self.cfg, self.positions = cfg, t.seq_len
-        self.train_batch = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh, leading=1))
+        self.train_batch = jax.ShapeDtypeStruct(
+            (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
+            jnp.int32,
+            sharding=batch_sharding(mesh, leading=1),
+        )
         if not data:  # shapes only: the document mask costs the same whichever id ends a document
             if cfg.data.pack == "documents":
                 self.loss_fn = partial(next_token_loss, eos_id=0)
@@ -99,13 +105,23 @@ class LanguageTask(Task):
             )
         if cfg.data.pack == "documents":
             if self.tokenizer.eos_id is None:
-                raise ConfigError(f"data.pack=documents finds documents by their EOS token, which the tokenizer {self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one.")
-            self.loss_fn, self.eval_fn = partial(next_token_loss, eos_id=self.tokenizer.eos_id), partial(validation_loss, eos_id=self.tokenizer.eos_id)
+                raise ConfigError(
+                    f"data.pack=documents finds documents by their EOS token, which the tokenizer {self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one."
+                )
+            self.loss_fn, self.eval_fn = (
+                partial(next_token_loss, eos_id=self.tokenizer.eos_id),
+                partial(validation_loss, eos_id=self.tokenizer.eos_id),
+            )
         train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
         windows, n = train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed)
         self.summary = f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); an epoch is {n // t.batch_size:,} steps"
         self.batches = BatchReader(windows, self.train_batch.sharding, self.train_batch.shape, axis=1, epoch_size=n)
-        self.eval_batches = BatchReader(eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches), batch_sharding(mesh), (t.batch_size, t.seq_len + 1), axis=0)
+        self.eval_batches = BatchReader(
+            eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches),
+            batch_sharding(mesh),
+            (t.batch_size, t.seq_len + 1),
+            axis=0,
+        )
 
     def finish(self, fns, params) -> str | None:
         """A sample of text, run on every process: the params span them all."""

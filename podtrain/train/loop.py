@@ -16,7 +16,7 @@ from podtrain.data.text import RUN_TOKENIZER, check_run_tokenizer
 from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
 from podtrain.train import fit, hf, optim
-from podtrain.train.checkpoint import CheckpointMismatch, Checkpointer, run_checkpoints
+from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch, run_checkpoints
 from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
@@ -38,12 +38,18 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
     latest = checkpointer.latest_step()
     if latest is not None and checkpointer.holds(latest, "opt"):
         try:
-            return checkpointer.restore({k: v for k, v in job.abstract_state.items() if k != "step"}, set_aside=True, say=say)
+            return checkpointer.restore(
+                {k: v for k, v in job.abstract_state.items() if k != "step"}, set_aside=True, say=say
+            )
         except CheckpointMismatch as e:
             saved = Path(cfg.run_dir) / "config.yaml"
-            changed = [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
+            changed = (
+                [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
+            )
             why = f" The run's config.yaml differs from this config in: {'; '.join(changed)}." if changed else ""
-            raise CheckpointError(f"{e}{why} Resume with the config the run was trained with, or use a new run_dir.") from None
+            raise CheckpointError(
+                f"{e}{why} Resume with the config the run was trained with, or use a new run_dir."
+            ) from None
     abstract = job.setup.fns.abstract_params
     if latest is not None:
         say(f"[podtrain] starting from the weights of step {latest} in {cfg.checkpoint_dir}, with a fresh optimizer")
@@ -63,14 +69,22 @@ def initial_weights(source: str, abstract_params, cfg: Config):
             return checkpointer.restore_weights(abstract_params)
         except CheckpointMismatch as e:
             changed = [d for d in differences(Path(source) / "config.yaml", cfg) if d.startswith("model.")]
-            raise CheckpointError(f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; give this run the same model keys.") from None
+            raise CheckpointError(
+                f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; give this run the same model keys."
+            ) from None
         finally:
             checkpointer.close()
     folder = hf.hf_folder(source)
     keys = hf.model_keys(hf.read_hf_config(folder), source)
-    changed = hf.shape_differences(keys, cfg.model) if cfg.model.name == "llama" else [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
+    changed = (
+        hf.shape_differences(keys, cfg.model)
+        if cfg.model.name == "llama"
+        else [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
+    )
     if changed:
-        raise ConfigError(f"train.init_from={source} is a Llama of other sizes: {'; '.join(changed)}. Give this run its model keys (the config.yaml `podtrain convert --from-hf` writes has them).")
+        raise ConfigError(
+            f"train.init_from={source} is a Llama of other sizes: {'; '.join(changed)}. Give this run its model keys (the config.yaml `podtrain convert --from-hf` writes has them)."
+        )
     return hf.read_params(folder, abstract_params, source)
 
 
@@ -85,7 +99,11 @@ def divergence_hint(cfg: Config, latest: int | None) -> str:
         cause = f"train.warmup_steps={t.warmup_steps} is a short warmup (default {usual.warmup_steps}): raise it, or lower train.lr={t.lr:g}"
     else:
         cause = f"lower train.lr={t.lr:g} or raise train.warmup_steps={t.warmup_steps}"
-    kept = f"The checkpoint of step {latest} in {cfg.checkpoint_dir} is intact" if latest is not None else "No checkpoint had been written yet"
+    kept = (
+        f"The checkpoint of step {latest} in {cfg.checkpoint_dir} is intact"
+        if latest is not None
+        else "No checkpoint had been written yet"
+    )
     return f"Likely cause: {cause}. {kept}."
 
 
@@ -121,8 +139,7 @@ def train(cfg: Config) -> dict:
             keep_tokenizer(task.tokenizer, run_dir / RUN_TOKENIZER)
     console.print(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, {cfg.model.compute_dtype} compute; "
-        f"{task.summary}; "
-        + (f"resuming from step {start}" if start else "starting from scratch")
+        f"{task.summary}; " + (f"resuming from step {start}" if start else "starting from scratch")
     )
 
     note = optim.warmup_note(t)
@@ -131,17 +148,31 @@ def train(cfg: Config) -> dict:
     tokens_per_step, flops_per_step = job.tokens_per_step, job.flops_per_step
     if start >= t.steps:
         checkpointer.close()
-        console.print(f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir.")
+        console.print(
+            f"[podtrain] {run_dir} already trained to step {start}; raise train.steps to train further, or use a new run_dir."
+        )
         return {"step": start}
     log = MetricsLog(run_dir, start, rt.is_main)
     last: dict = {"step": start}
-    columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+    ]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
         batches = task.batches.stream(start, t.steps, cfg.data.workers, cfg.data.prefetch)
-        with Progress(*columns, console=console, disable=not rt.is_main) as progress, StopRequests() as stop, closing(batches):
+        with (
+            Progress(*columns, console=console, disable=not rt.is_main) as progress,
+            StopRequests() as stop,
+            closing(batches),
+        ):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             window_start, clock = start, time.perf_counter()
-            bad_run, previous = 0, None  # consecutive skipped updates; the last step's flag, read one step late to keep dispatch ahead
+            bad_run, previous = (
+                0,
+                None,
+            )  # consecutive skipped updates; the last step's flag, read one step late to keep dispatch ahead
             for step, batch in zip(range(start, t.steps), batches):
                 state, metrics = job.step(state, batch)
                 done = step + 1
@@ -160,12 +191,25 @@ def train(cfg: Config) -> dict:
                 if _due(done, t.log_every, t.steps):
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     step_time = (time.perf_counter() - clock) / (done - window_start) if done > window_start else None
-                    last = {"step": done, "epoch": task.batches.epoch(step), **metrics, **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops)}
+                    last = {
+                        "step": done,
+                        "epoch": task.batches.epoch(step),
+                        **metrics,
+                        **_throughput(step_time, tokens_per_step, flops_per_step, rt.peak_flops),
+                    }
                     tps, mfu = last["tokens_per_sec"], last["mfu"]
                     log.write(last)
-                    status = f"loss {metrics['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + (f"  mfu {mfu:.1%}" if mfu else "")
+                    status = (
+                        f"loss {metrics['loss']:.4f}"
+                        + (f"  {tps:,.0f} tok/s" if tps else "")
+                        + (f"  mfu {mfu:.1%}" if mfu else "")
+                    )
                     progress.update(bar, status=status)
-                    progress.console.print(f"step {done:>6}  {_fmt(metrics)}" + (f"  {tps:,.0f} tok/s" if tps else "") + f"  epoch {last['epoch']}")
+                    progress.console.print(
+                        f"step {done:>6}  {_fmt(metrics)}"
+                        + (f"  {tps:,.0f} tok/s" if tps else "")
+                        + f"  epoch {last['epoch']}"
+                    )
                     window_start, clock = done, time.perf_counter()
                 evaluated, saved = _due(done, t.eval_every, t.steps), _due(done, cfg.checkpoint.every, t.steps)
                 if evaluated:
@@ -181,7 +225,9 @@ def train(cfg: Config) -> dict:
                 if stop.reached(done) and done < t.steps:
                     if not saved:
                         checkpointer.save(state)  # written in full by close() below before the exit
-                    raise Preempted(f"stopped after step {done} and saved its checkpoint in {cfg.checkpoint_dir}; run the same command again to continue.")
+                    raise Preempted(
+                        f"stopped after step {done} and saved its checkpoint in {cfg.checkpoint_dir}; run the same command again to continue."
+                    )
     finally:
         checkpointer.close()
         log.close()

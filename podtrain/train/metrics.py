@@ -27,7 +27,9 @@ class MetricsLog:
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
             return
-        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}  # strict JSON
+        record = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+        }  # strict JSON
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         for key, value in record.items():

@@ -39,7 +39,11 @@ class StopRequests:
         if self.received is not None:
             os._exit(128 + signum)  # asked twice: leave now; the last complete checkpoint stays
         self.received = signal.Signals(signum)
-        print(f"\n[podtrain] {self.received.name}: stopping after this step and saving a checkpoint; send it again to exit at once.", file=sys.stderr, flush=True)
+        print(
+            f"\n[podtrain] {self.received.name}: stopping after this step and saving a checkpoint; send it again to exit at once.",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.shared:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier, which tells the other processes
 

@@ -72,7 +72,10 @@ def act_loss(model, carry: dict, rows: jax.Array, key: jax.Array):
     r = model.cfg
     new = carry["halted"]
     data = jnp.where(new[:, None], rows, carry["data"])
-    z = tuple(jnp.where(new[:, None, None], z0, z) for z0, z in zip(model.initial_carry(len(rows)), (carry["z_h"], carry["z_l"])))
+    z = tuple(
+        jnp.where(new[:, None, None], z0, z)
+        for z0, z in zip(model.initial_carry(len(rows)), (carry["z_h"], carry["z_l"]))
+    )
     steps = jnp.where(new, 0, carry["steps"]) + 1
     ids, inputs, labels = split(data)
     z, logits, q = model(z, inputs, ids)
@@ -89,7 +92,11 @@ def act_loss(model, carry: dict, rows: jax.Array, key: jax.Array):
         losses["q_continue_loss"] = optax.sigmoid_binary_cross_entropy(q[:, 1], target).mean()
 
     explore, draw = jax.random.split(key)
-    min_steps = jnp.where(jax.random.bernoulli(explore, r.halt_exploration_prob, steps.shape), jax.random.randint(draw, steps.shape, 2, r.halt_max_steps + 1), 0)
+    min_steps = jnp.where(
+        jax.random.bernoulli(explore, r.halt_exploration_prob, steps.shape),
+        jax.random.randint(draw, steps.shape, 2, r.halt_max_steps + 1),
+        0,
+    )
     halted = last | (_halts(q, r.no_ACT_continue) & (steps >= min_steps))
     metrics = {
         **losses,
@@ -113,7 +120,11 @@ def evaluate_puzzles(model, rows: jax.Array) -> dict:
         halt_at = jnp.where((halt_at == 0) & (_halts(q, r.no_ACT_continue) | (i == r.halt_max_steps)), i, halt_at)
         return (z, halt_at, logits), None
 
-    start = (model.initial_carry(len(rows)), jnp.zeros(len(rows), jnp.int32), jnp.zeros((*labels.shape, r.vocab_size), jnp.float32))
+    start = (
+        model.initial_carry(len(rows)),
+        jnp.zeros(len(rows), jnp.int32),
+        jnp.zeros((*labels.shape, r.vocab_size), jnp.float32),
+    )
     (_, halt_at, logits), _ = jax.lax.scan(segment, start, jnp.arange(1, r.halt_max_steps + 1))
     correct = jnp.argmax(logits, -1) == labels
     return {
@@ -133,9 +144,13 @@ class PuzzleTask(Task):
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t, m = cfg.train, cfg.model
         if cfg.data.source != "sudoku":
-            raise ConfigError(f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
+            raise ConfigError(
+                f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`."
+            )
         if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
-            raise ConfigError(f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} and model.vocab_size={sudoku.VOCAB}.")
+            raise ConfigError(
+                f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} and model.vocab_size={sudoku.VOCAB}."
+            )
         slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
         self.positions = CELLS
 
@@ -144,19 +159,41 @@ class PuzzleTask(Task):
 
         self.train_batch = per_slot(jnp.int32, ROW)
         latent = per_slot(jnp.dtype(m.compute_dtype), m.max_seq_len + m.puzzle_emb_len, m.d_model)
-        self.carry = {"z_h": latent, "z_l": latent, "steps": per_slot(jnp.int32), "halted": per_slot(jnp.bool_), "data": per_slot(jnp.int32, ROW)}
+        self.carry = {
+            "z_h": latent,
+            "z_l": latent,
+            "steps": per_slot(jnp.int32),
+            "halted": per_slot(jnp.bool_),
+            "data": per_slot(jnp.int32, ROW),
+        }
         if not data:
             return
         train_set, test_set = sudoku.load(cfg.data.path, "train"), sudoku.load(cfg.data.path, "test")
         for name, split_set in (("train", train_set), ("test", test_set)):
             if len(split_set.inputs) < t.batch_size:
-                raise DataError(f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch.")
+                raise DataError(
+                    f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch."
+                )
         self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
         train_rows, test_rows = train_set.rows(), test_set.rows()
-        self.batches = BatchReader(shuffled(len(train_rows), cfg.seed, train_rows.__getitem__), sharding, self.train_batch.shape, axis=1, epoch_size=len(train_rows))
-        self.eval_batches = BatchReader(in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__), batch_sharding(mesh), (t.batch_size, test_rows.shape[1]), axis=0)
+        self.batches = BatchReader(
+            shuffled(len(train_rows), cfg.seed, train_rows.__getitem__),
+            sharding,
+            self.train_batch.shape,
+            axis=1,
+            epoch_size=len(train_rows),
+        )
+        self.eval_batches = BatchReader(
+            in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__),
+            batch_sharding(mesh),
+            (t.batch_size, test_rows.shape[1]),
+            axis=0,
+        )
 
     def initial_carry(self) -> dict:
         """Every slot halted, so step 0 fills all of them from its batch."""
         carry = self.carry
-        return jax.jit(lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()}, out_shardings=shardings_of(carry))()
+        return jax.jit(
+            lambda: {k: jnp.full(s.shape, k == "halted", s.dtype) for k, s in carry.items()},
+            out_shardings=shardings_of(carry),
+        )()

@@ -17,7 +17,6 @@ from podtrain.runtime.mesh import sharded_jit
 from podtrain.train.checkpoint import Checkpointer, run_checkpoints
 from podtrain.train.state import ModelFns, model_fns
 
-
 PREFILL_MIN = 64  # the shortest prefill: prompts are padded to a power of two, so that few lengths compile
 
 
@@ -27,17 +26,31 @@ def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
 
 def _prompt_tokens(tokenizer, prompt: str) -> list[int]:
     """The prompt's tokens; an empty prompt starts from EOS (or a newline for bytes)."""
-    return list(tokenizer.encode(prompt)) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n"))
+    return list(tokenizer.encode(prompt)) or (
+        [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n")
+    )
 
 
-def sample(fns: ModelFns, params, tokenizer, prompt: str, max_new_tokens: int, temperature: float, window: int, seed: int = 0, cache: bool = True) -> str:
+def sample(
+    fns: ModelFns,
+    params,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    window: int,
+    seed: int = 0,
+    cache: bool = True,
+) -> str:
     """Continue `prompt` for `max_new_tokens` (temperature 0: greedy), decoded with `tokenizer`."""
     tokens = _prompt_tokens(tokenizer, prompt)
     generate = cached_tokens if cache else window_tokens
     return tokenizer.decode(generate(fns, params, tokens, max_new_tokens, temperature, window, seed))
 
 
-def window_tokens(fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
+def window_tokens(
+    fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int
+) -> list[int]:
     """n tokens after `tokens`, each from a full forward pass over the last `window` tokens, padded
     on the right so that one compiled pass serves every position (causal attention ignores the padding)."""
 
@@ -55,7 +68,9 @@ def window_tokens(fns: ModelFns, params, tokens: list[int], n: int, temperature:
     return tokens[-n:] if n else []
 
 
-def cached_tokens(fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
+def cached_tokens(
+    fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int
+) -> list[int]:
     """n tokens after `tokens` with a key/value cache of `window` positions: one pass over the
     prompt (prefill, padded to a power of two), then one position per token, each program
     compiled once per shape. When the cache is full, the last half window is prefilled again."""
@@ -91,7 +106,9 @@ def run_model(run_dir: str):
     on this machine's devices with the params replicated."""
     cfg = run_config(run_dir)
     if task_of(cfg.model) != "text":
-        raise ConfigError(f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate and convert take a language model (llama, mhc).")
+        raise ConfigError(
+            f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate and convert take a language model (llama, mhc)."
+        )
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
     rt = runtime.start(cfg, announce=False)
     cfg = resolve_auto(cfg, rt.platform)
@@ -103,8 +120,12 @@ def run_model(run_dir: str):
         checkpointer.close()
 
 
-def generate_from_run(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0, cache: bool = True) -> str:
+def generate_from_run(
+    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0, cache: bool = True
+) -> str:
     """Sample from the latest checkpoint of a run with the run's tokenizer, over a window of the
     model's positions (model.max_seq_len) with the cache or without it."""
     cfg, fns, params = run_model(run_dir)
-    return sample(fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.model.max_seq_len, seed, cache)
+    return sample(
+        fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.model.max_seq_len, seed, cache
+    )

@@ -7,8 +7,9 @@ than its shard, even at initialisation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,14 +47,20 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
 
     abstract_model = nnx.eval_shape(lambda: build_model(cfg.model, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract_model)
-    axes = jax.tree.map(tuple, nnx.to_pure_dict(nnx.get_partition_spec(abstract_state)), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    axes = jax.tree.map(
+        tuple, nnx.to_pure_dict(nnx.get_partition_spec(abstract_state)), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
     shapes = jax.eval_shape(make, jax.random.key(0))
-    shardings = jax.tree.map(lambda names, s: logical_sharding(names, s.shape, mesh), axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    shardings = jax.tree.map(
+        lambda names, s: logical_sharding(names, s.shape, mesh), axes, shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     n_params = sum(s.size for s in jax.tree.leaves(shapes))
     # Init runs once; on CPU, XLA's optimisations of its random-number code cost more (~4x the compile time) than they save.
     options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
-    return ModelFns(graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params, mesh)
+    return ModelFns(
+        graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params, mesh
+    )
 
 
 def shardings_of(abstract):
@@ -62,7 +69,9 @@ def shardings_of(abstract):
 
 def decay_mask(fns: ModelFns):
     """Weight decay on matrices only: leaves with two or more axes besides the layer stack."""
-    return jax.tree.map(lambda names: sum(n != "layers" for n in names) >= 2, fns.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda names: sum(n != "layers" for n in names) >= 2, fns.logical_axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 @dataclass
@@ -78,8 +87,12 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(tx.init, fns.abstract_params)
     # Optimizer moments follow their parameter's sharding; counters are replicated.
-    opt_shardings = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, shardings_of(fns.abstract_params), transform_non_params=lambda _: replicated)
-    abstract_opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sh: sh, opt_shapes, shardings_of(fns.abstract_params), transform_non_params=lambda _: replicated
+    )
+    abstract_opt = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings
+    )
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = {"step": step, "params": fns.abstract_params, "opt": abstract_opt}
     if cfg.train.ema:

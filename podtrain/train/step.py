@@ -58,10 +58,21 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
         # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         kept = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in updated.items()}
-        return {**kept, "step": state["step"] + 1}, {**metrics, "grad_norm": grad_norm, "lr": lr(state["step"]), "skipped": ~finite}
+        return {**kept, "step": state["step"] + 1}, {
+            **metrics,
+            "grad_norm": grad_norm,
+            "lr": lr(state["step"]),
+            "skipped": ~finite,
+        }
 
     state_shardings = shardings_of(abstract_state)
-    return sharded_jit(step, mesh, in_shardings=(state_shardings, batch_sharding(mesh, leading=1)), out_shardings=(state_shardings, None), donate_argnums=0)
+    return sharded_jit(
+        step,
+        mesh,
+        in_shardings=(state_shardings, batch_sharding(mesh, leading=1)),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
 
 
 def _pool(metric) -> jax.Array:

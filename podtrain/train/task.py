@@ -8,7 +8,8 @@ params, so they can be called, differentiated and tested on their own.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from podtrain.data.loader import BatchReader
 
