@@ -8,7 +8,8 @@ from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
 from podtrain.models import build_model
-from podtrain.models.layers import Attention, apply_rope, rope_tables
+from podtrain.models.attention import Attention
+from podtrain.models.layers import apply_rope, rope_tables
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 

@@ -16,7 +16,8 @@ from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
 from podtrain.models import build_model
-from podtrain.models.layers import grouped_attention, swiglu
+from podtrain.models.attention import grouped_attention
+from podtrain.models.layers import swiglu
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.tasks import language as lm

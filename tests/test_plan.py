@@ -13,7 +13,7 @@ import jax
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import DoesNotFit
-from podtrain.models.layers import causal_blocks
+from podtrain.models.attention import causal_blocks
 from podtrain.planning import fit, plan
 from podtrain.planning import targets as hardware
 from podtrain.runtime import chips
@@ -189,7 +189,7 @@ def test_7b_on_one_16gib_chip_does_not_fit():
 def test_splash_attention_equals_xla_attention():
     """The Pallas kernel, run by its interpreter on the CPU: outputs and gradients of grouped-query
     causal attention as XLA's, to float32 rounding."""
-    from podtrain.models.layers import splash_attention
+    from podtrain.models.attention import splash_attention
 
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, n, 64)) for i, n in enumerate((4, 2, 2)))
 

@@ -25,7 +25,7 @@ from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
-from podtrain.models.layers import SPLASH_BLOCK
+from podtrain.models.attention import SPLASH_BLOCK
 
 # Flags from the setup guides, each an alias of one config key.
 FLAG_ALIASES = {

@@ -12,12 +12,12 @@ from flax import nnx
 
 from podtrain.config.schema import ModelConfig, key, same_key
 from podtrain.errors import ConfigError
+from podtrain.models.attention import Attention
 from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
     HEAD,
     TABLE,
-    Attention,
     RMSNorm,
     SwiGLU,
     document_mask,

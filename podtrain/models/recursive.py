@@ -38,12 +38,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.models.attention import Attention
 from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
     HEAD,
     TABLE,
-    Attention,
     SwiGLU,
     embed_tokens,
     output_head,

@@ -1,0 +1,200 @@
+"""Attention: grouped-query attention with FlashAttention's backward (the xla path), cuDNN's
+fused kernel, and the Pallas splash-attention kernel for TPU; the module that projects to heads
+and back, with rotary positions and a key/value cache for generation."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.models.layers import ACT, HEADS, KV_HEADS, apply_rope, param
+from podtrain.sharding import constrain, per_shard, shards
+
+# Causal attention runs in this many blocks of queries, each reading only the keys up to its last
+# query: 9/16 of the full score matrix is computed, and each block's scores are small enough to stay
+# in cache between the softmax's passes (on 2 CPU cores, 8 blocks take ~0.6x the time of one).
+CAUSAL_BLOCKS = 8
+MIN_BLOCK = 32  # queries: a smaller block saves nothing worth its compile time
+
+
+def causal_blocks(t: int) -> int:
+    """The query blocks of a causal self-attention over t positions: up to CAUSAL_BLOCKS, whole and
+    of at least MIN_BLOCK queries each. They compute (blocks + 1) / (2 blocks) of the scores."""
+    blocks = CAUSAL_BLOCKS
+    while blocks > 1 and (t % blocks or t // blocks < MIN_BLOCK):
+        blocks //= 2
+    return blocks
+
+
+def grouped_attention(
+    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array | None = None, causal: bool = True
+) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim)) v, each k/v head read in place by its group of query heads
+    (no copies); scores and softmax in float32. `mask` (batch or 1, 1, T, S): True where a query
+    may attend to a key, and with `causal` only to keys at or before its own position."""
+    b, t, n, h = q_BTNH.shape
+    s, kv = k_BSKH.shape[1:3]
+    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(
+        h**-0.5, q_BTNH.dtype
+    )  # scaled before the product: T x H, not T x S, multiplies
+    allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
+    bias = jnp.where(allowed, 0.0, -1e30).astype(jnp.float32)  # added, not selected: the backward needs no mask
+    blocks = causal_blocks(t) if causal and t == s else 1
+    return _attend(q, k_BSKH, v_BSKH, bias, blocks).reshape(b, t, n, h)
+
+
+def _spans(t: int, s: int, blocks: int) -> list[tuple[int, int, int]]:
+    """(first query, end of queries, end of keys) of each block; a causal block reads no key after its last query."""
+    size = t // blocks
+    return [(i * size, (i + 1) * size, (i + 1) * size if blocks > 1 else s) for i in range(blocks)]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
+    return _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks)[0]
+
+
+def _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
+    outs, probs = [], []
+    for lo, hi, end in _spans(q_BTKGH.shape[1], k_BSKH.shape[1], blocks):
+        scores = (
+            jnp.einsum("btkgh,bskh->bktgs", q_BTKGH[:, lo:hi], k_BSKH[:, :end], preferred_element_type=jnp.float32)
+            + bias[:, :, lo:hi, :, :end]
+        )
+        probs.append(jax.nn.softmax(scores, axis=-1))
+        outs.append(jnp.einsum("bktgs,bskh->btkgh", probs[-1].astype(v_BSKH.dtype), v_BSKH[:, :end]))
+    out = jnp.concatenate(outs, axis=1)
+    return out, (q_BTKGH, k_BSKH, v_BSKH, probs, out, bias)
+
+
+def _attend_bwd(blocks, residuals, d_out):
+    """FlashAttention's backward, block by block: the softmax's row term sum_s dP P is sum_h dO O, a
+    reduction over the head dimension instead of the keys. A masked score has P = 0: no gradient."""
+    q, k, v, probs, out, bias = residuals
+    row = jnp.einsum("btkgh,btkgh->bktg", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for (lo, hi, end), p in zip(_spans(q.shape[1], k.shape[1], blocks), probs):
+        d_block = d_out[:, lo:hi]
+        dv = dv.at[:, :end].add(
+            jnp.einsum("bktgs,btkgh->bskh", p.astype(v.dtype), d_block, preferred_element_type=jnp.float32)
+        )
+        d_probs = jnp.einsum("btkgh,bskh->bktgs", d_block, v[:, :end], preferred_element_type=jnp.float32)
+        d_scores = (p * (d_probs - row[:, :, lo:hi, :, None])).astype(q.dtype)
+        dq.append(jnp.einsum("bktgs,bskh->btkgh", d_scores, k[:, :end]))
+        dk = dk.at[:, :end].add(
+            jnp.einsum("bktgs,btkgh->bskh", d_scores, q[:, lo:hi], preferred_element_type=jnp.float32)
+        )
+    return jnp.concatenate(dq, axis=1), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: sequences are whole blocks
+
+
+def splash_attention(
+    q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False
+) -> jax.Array:
+    """softmax(q k^T / sqrt(head_dim)) v by the Pallas splash-attention kernel for TPU: scores
+    live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
+    device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
+    repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
+    # Imported where used: loading Pallas's TPU kernels costs a second, for TPU jobs only.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    n, head_dim = q_BTNH.shape[2:]
+    k_BTNH, v_BTNH = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k_BTKH, v_BTKH))
+
+    def local(q, k, v):  # this device's (batch, seq, heads, head_dim), as (batch, heads, seq, head_dim)
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        t, heads = q.shape[2], q.shape[1]
+        mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
+        kernel = splash.make_splash_mha(
+            masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+        return jax.vmap(kernel)(q * jnp.asarray(head_dim**-0.5, q.dtype), k, v).transpose(0, 2, 1, 3)
+
+    return per_shard(local, (HEADS,) * 3, HEADS)(q_BTNH, k_BTNH, v_BTNH)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        std: float,
+        out_std: float,
+        dtype,
+        implementation: str,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+    ):
+        head_dim = d_model // n_heads
+        self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
+        self.wk = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
+        self.dtype = dtype
+        self.implementation = None if implementation == "auto" else implementation
+        self.causal = causal
+
+    def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
+        cannot split evenly get a copy per query head, so that q, k and v share one sharding
+        (cuDNN's attention requires it; copying replicated weights is local)."""
+        wq, wk, wv = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
+        d, n_heads, head_dim = wq.shape
+        n_kv, kv_axes = wk.shape[1], KV_HEADS
+        if share_kv and n_kv % shards("act_heads", n_heads):
+            wk, wv = (jnp.repeat(w, n_heads // n_kv, axis=1) for w in (wk, wv))
+            n_kv, kv_axes = n_heads, HEADS
+        group = n_heads // n_kv
+        # One projection for q, k and v, laid out per k/v head (the shards never split a group), so
+        # that the gradient reaches x through one matmul: one all-reduce, not three.
+        w_qkv = jnp.concatenate([wq.reshape(d, n_kv, group, head_dim), wk[:, :, None], wv[:, :, None]], axis=2)
+        qkv = constrain(jnp.einsum("btd,dngh->btngh", x_BTD, w_qkv), (*kv_axes[:3], None, "act_head_dim"))
+        q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
+        k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def output(self, out_BTNH: jax.Array) -> jax.Array:
+        return constrain(jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype)), ACT)
+
+    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None) -> jax.Array:
+        """`mask` (batch, 1, seq, seq), True where a query may attend to a key, narrows the causal
+        mask (to keep packed documents apart). Megatron's layout: q, k, v column-parallel and the
+        output row-parallel over heads, so that tensor parallelism costs one all-reduce of
+        (batch, seq, d_model) forward and one backward."""
+        q, k, v = self.project(x_BTD, rope)
+        if self.implementation == "splash":
+            out = splash_attention(q, k, v, self.causal)
+        elif self.implementation == "cudnn":
+            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation="cudnn")
+        else:
+            out = grouped_attention(q, k, v, mask, self.causal)
+        return self.output(constrain(out, HEADS))
+
+    def decode(
+        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the tokens x at positions start.. to themselves and everything before them,
+        whose keys and values `cache` (batch, length, kv_heads, head_dim) holds; x's are written into
+        it. Positions after the last written one are masked, whatever the cache holds there."""
+        q, k, v = self.project(x_BTD, rope, share_kv=False)
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v))
+        )
+        mask = jnp.arange(cache[0].shape[1])[None, :] <= start + jnp.arange(x_BTD.shape[1])[:, None]
+        out = grouped_attention(q, *cache, mask[None, None], causal=False)
+        return self.output(out), cache
