@@ -200,7 +200,8 @@ def splash_attention(
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
+    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
+    n_heads query heads."""
 
     def __init__(
         self,
