@@ -36,7 +36,8 @@ TRAIN = ["train.seq_len=64", "train.batch_size=2", "model.compute_dtype=float32"
 
 
 def run(job, steps: int, every: int, checkpointer: Checkpointer | None) -> float:
-    """Wall seconds of `steps` steps from a new state (saving every `every` with `checkpointer`), until all is written."""
+    """Wall seconds of `steps` steps from a new state (saving every `every` with `checkpointer`),
+    until all is written."""
     state = job.init_state(0)  # the step donates its input, so each run starts its own
     jax.block_until_ready(state)
     start = time.perf_counter()
@@ -62,7 +63,8 @@ def main() -> None:
     saves = args.steps // args.every
     gib = sum(x.nbytes for x in jax.tree.leaves({k: v for k, v in state.items() if k != "step"})) / 2**30
     print(
-        f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); {args.steps} steps, a save every {args.every}"
+        f"model: {job.setup.fns.n_params / 1e6:.1f}M params; checkpoint {gib:.2f} GiB (params + Adam moments); "
+        f"{args.steps} steps, a save every {args.every}"
     )
 
     checksums({k: v for k, v in state.items() if k != "step"})  # compile the checksums outside the timings too
@@ -90,7 +92,8 @@ def main() -> None:
         stall = {mode: (statistics.median(times[mode]) - base) / saves for mode in ("sync", "async")}
         for mode in ("sync", "async"):
             print(
-                f"{mode:>5} save: stall {stall[mode] * 1e3:6.0f} ms per save = {stall[mode] / step:5.2f} steps; {stall[mode] / args.every * 1e3:5.0f} ms per step (runs: "
+                f"{mode:>5} save: stall {stall[mode] * 1e3:6.0f} ms per save = {stall[mode] / step:5.2f} steps; "
+                f"{stall[mode] / args.every * 1e3:5.0f} ms per step (runs: "
                 + ", ".join(f"{t:.2f}" for t in times[mode])
                 + " s)"
             )
@@ -110,7 +113,8 @@ def main() -> None:
         verify = time.perf_counter() - start
         checkpointer.close()
         print(
-            f"restore of step {int(restored['step'])}: {restore:.2f} s = {restore / step:.1f} steps, of which the checksums {verify:.2f} s ({verify / restore:.0%})"
+            f"restore of step {int(restored['step'])}: {restore:.2f} s = {restore / step:.1f} steps, "
+            f"of which the checksums {verify:.2f} s ({verify / restore:.0%})"
         )
     finally:
         shutil.rmtree(folder)

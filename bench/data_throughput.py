@@ -79,7 +79,8 @@ def main() -> None:
         Repeated("pydoc", copies=args.copies), tokenizer, work / "tokens", 0.05, shard_docs=500, quiet=True
     )
     print(
-        f"prepare: {manifest['documents']:,} documents, {manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s"
+        f"prepare: {manifest['documents']:,} documents, "
+        f"{manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s"
     )
 
     data = ["data.source=tokens", f"data.path={work / 'tokens'}"]
@@ -94,7 +95,8 @@ def main() -> None:
             step, label = H100_STEP_TOKENS, "H100 step at 50% MFU (computed)"
         loader = "  ".join(f"{k}: {v:,.0f} tokens/s" for k, v in rates.items())
         print(
-            f"{recipe:14} batch {cfg.train.batch_size} x {cfg.train.seq_len}: loader {loader}  |  {label}: {step:,.0f} tokens/s  |  loader/step {max(rates.values()) / step:.1f}x"
+            f"{recipe:14} batch {cfg.train.batch_size} x {cfg.train.seq_len}: loader {loader}  |  "
+            f"{label}: {step:,.0f} tokens/s  |  loader/step {max(rates.values()) / step:.1f}x"
         )
 
 

@@ -140,13 +140,15 @@ def convert(args) -> None:
         sizes = write_checkpoint(args.preset, folder)
         fp32 = 4 * sizes["params"]
         print(
-            f"{args.preset}: {sizes['params'] / 1e9:.2f}B params, {fp32 / 2**30:.2f} GiB in float32, largest tensor {sizes['largest_tensor_fp32_bytes'] / 2**20:.0f} MiB in float32"
+            f"{args.preset}: {sizes['params'] / 1e9:.2f}B params, {fp32 / 2**30:.2f} GiB in float32, "
+            f"largest tensor {sizes['largest_tensor_fp32_bytes'] / 2**20:.0f} MiB in float32"
         )
         baseline = child(["_baseline"])
         ours = child(["_import", str(folder), str(Path(tmp) / "run")])
         naive = child(["_naive", str(folder)])
         print(
-            f"{'':38s} {'wall':>9s}   {'peak RSS':>9s}   {'peak anonymous':>14s}   {'anonymous above baseline + model':>32s}"
+            f"{'':38s} {'wall':>9s}   {'peak RSS':>9s}   {'peak anonymous':>14s}   "
+            f"{'anonymous above baseline + model':>32s}"
         )
         for name, r in (
             ("jax + podtrain imported (baseline)", baseline),
@@ -155,10 +157,12 @@ def convert(args) -> None:
         ):
             above = (r["peak_anonymous"] - baseline["peak_anonymous"] - fp32) / 2**30
             print(
-                f"{name:38s} {r['seconds']:7.1f} s   {r['peak_rss'] / 2**30:5.2f} GiB   {r['peak_anonymous'] / 2**30:10.2f} GiB   {above:+28.2f} GiB"
+                f"{name:38s} {r['seconds']:7.1f} s   {r['peak_rss'] / 2**30:5.2f} GiB   "
+                f"{r['peak_anonymous'] / 2**30:10.2f} GiB   {above:+28.2f} GiB"
             )
         print(
-            f"peak anonymous memory ratio, podtrain/naive: {ours['peak_anonymous'] / naive['peak_anonymous']:.2f}; peak RSS ratio: {ours['peak_rss'] / naive['peak_rss']:.2f}"
+            f"peak anonymous memory ratio, podtrain/naive: {ours['peak_anonymous'] / naive['peak_anonymous']:.2f}; "
+            f"peak RSS ratio: {ours['peak_rss'] / naive['peak_rss']:.2f}"
         )
 
 
@@ -182,7 +186,8 @@ def generate(args) -> None:
         rates[name] = n / (time.perf_counter() - start)
         print(f"{name:9s} {n:4d} tokens: {rates[name]:8.2f} tokens/s (first call with compile {compile_s:.1f} s)")
     print(
-        f"ratio KV cache / no cache: {rates['KV cache'] / rates['no cache']:.1f}x  (135M shape, window {args.window}, {jax.devices()[0].platform})"
+        f"ratio KV cache / no cache: {rates['KV cache'] / rates['no cache']:.1f}x  "
+        f"(135M shape, window {args.window}, {jax.devices()[0].platform})"
     )
 
 

@@ -207,8 +207,10 @@ def throughput(cfg, repeats: int, steps: int, warmup: int) -> None:
     peak = peak_flops(ours.devices[0])
     peak = peak * len(ours.devices) if peak else None
     print(
-        f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}; {ours.job.setup.fns.n_params / 1e6:.2f}M params, "
-        f"batch {cfg.train.batch_size} x {cfg.train.seq_len}, {cfg.model.compute_dtype}; reference: PyTorch {torch.__version__} {'torch.compile' if ref.gpu else 'eager'}, {torch.get_num_threads()} threads"
+        f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}; "
+        f"{ours.job.setup.fns.n_params / 1e6:.2f}M params, batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
+        f"{cfg.model.compute_dtype}; reference: PyTorch {torch.__version__} {'torch.compile' if ref.gpu else 'eager'}, "
+        f"{torch.get_num_threads()} threads"
     )
     first = ours.steps(warmup), ref.steps(warmup)
     print(f"loss after {warmup} warmup steps: podtrain {first[0]:.4f}, reference {first[1]:.4f}")
@@ -218,10 +220,12 @@ def throughput(cfg, repeats: int, steps: int, warmup: int) -> None:
         ratios.append(b / a)
         mfu = f"  mfu {flops / a / peak:.1%} / {flops / b / peak:.1%}" if peak else ""
         print(
-            f"repeat {r + 1}: podtrain {tokens / a:,.0f} tokens/s, reference {tokens / b:,.0f} tokens/s{mfu}  ratio {b / a:.3f}"
+            f"repeat {r + 1}: podtrain {tokens / a:,.0f} tokens/s, "
+            f"reference {tokens / b:,.0f} tokens/s{mfu}  ratio {b / a:.3f}"
         )
     print(
-        f"ratio podtrain/reference: min {min(ratios):.3f}  median {statistics.median(ratios):.3f}  max {max(ratios):.3f}"
+        f"ratio podtrain/reference: min {min(ratios):.3f}  "
+        f"median {statistics.median(ratios):.3f}  max {max(ratios):.3f}"
     )
 
 
@@ -237,7 +241,8 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
         per_token = min(timed(side, steps) for _ in range(3)) / (cfg.train.batch_size * cfg.train.seq_len)
         one = one or per_token
         print(
-            f"mesh {'x'.join(map(str, shape))}: {per_token * 1e6:.1f} us/token, {one / per_token:.2f}x one device's speed"
+            f"mesh {'x'.join(map(str, shape))}: {per_token * 1e6:.1f} us/token, "
+            f"{one / per_token:.2f}x one device's speed"
         )
     for unroll in ("1", "n_layers"):
         for layers in (4, 32):
@@ -262,7 +267,8 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
         jax.block_until_ready(side.job.task.batches[i])
         place.append(time.perf_counter() - clock)
     print(
-        f"host per step, device idle: dispatch {statistics.median(dispatch) * 1e3:.2f} ms, reading and placing a batch {statistics.median(place) * 1e3:.2f} ms (medians of {steps})"
+        f"host per step, device idle: dispatch {statistics.median(dispatch) * 1e3:.2f} ms, "
+        f"reading and placing a batch {statistics.median(place) * 1e3:.2f} ms (medians of {steps})"
     )
 
 

@@ -1,4 +1,5 @@
-"""Examples (windows of seq_len + 1 tokens, or puzzles), shuffled each epoch by grain, read per process, placed on the mesh.
+"""Examples (windows of seq_len + 1 tokens, or puzzles), shuffled each epoch by grain, read per
+process, placed on the mesh.
 
 Datasets are random-access over examples: example i of batch b is b * examples_per_batch + i,
 so a resumed run reads exactly the batches it would have read without stopping, on any number of
@@ -66,7 +67,8 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...], axis: int) -> 
     lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
     if len(set().union(*(range(s, e) for s, e in spans))) != hi - lo:
         raise MeshError(
-            f"This process's devices hold non-contiguous rows {sorted(spans)} of the batch; build the mesh from jax.devices() in their default order."
+            f"This process's devices hold non-contiguous rows {sorted(spans)} of the batch; build the mesh from "
+            "jax.devices() in their default order."
         )
     return np.arange(lo, hi)
 

@@ -60,7 +60,8 @@ def _start(out: Path, settings: dict) -> list[dict]:
     if recorded.is_file():
         if json.loads(recorded.read_text()) != settings:
             raise DataError(
-                f"{out} holds shards prepared with other settings (corpus, tokenizer, --val-fraction); use a new --out, or delete {out} to start over."
+                f"{out} holds shards prepared with other settings (corpus, tokenizer, --val-fraction); "
+                f"use a new --out, or delete {out} to start over."
             )
     elif any(out.iterdir()):
         raise DataError(f"--out {out} is a folder with other files in it; give a new or empty folder.")
@@ -103,7 +104,8 @@ def prepare(
     """Tokenize `corpus` into shards in `out`, continuing an interrupted prepare; returns the manifest."""
     if tokenizer.eos_id is None:
         raise DataError(
-            f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a fitted BPE, a Hugging Face model's)."
+            f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a "
+            "fitted BPE, a Hugging Face model's)."
         )
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} is outside [0, 1); give e.g. 0.01.")
@@ -141,7 +143,8 @@ def prepare(
     }
     if not totals["train_tokens"]:
         raise DataError(
-            f"The corpus {corpus.input} has no text to train on ({totals['documents']} documents, all empty or all validation); check --input and --text-field."
+            f"The corpus {corpus.input} has no text to train on ({totals['documents']} documents, all empty or all "
+            "validation); check --input and --text-field."
         )
     if tokenizer.file is not None:
         keep_tokenizer(tokenizer, out / "tokenizer")

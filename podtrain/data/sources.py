@@ -53,12 +53,14 @@ class Corpus:
         if not isinstance(record, dict) or self.text_field not in record:
             fields = ", ".join(record) if isinstance(record, dict) else f"a {type(record).__name__}, not an object"
             raise DataError(
-                f"{where} has no field `{self.text_field}` (it has: {fields}); pass --text-field with the field that holds the text."
+                f"{where} has no field `{self.text_field}` (it has: {fields}); pass --text-field "
+                "with the field that holds the text."
             )
         text = record[self.text_field]
         if not isinstance(text, str):
             raise DataError(
-                f"{where}: field `{self.text_field}` holds a {type(text).__name__}, not text; pass --text-field with the field that holds the text."
+                f"{where}: field `{self.text_field}` holds a {type(text).__name__}, not text; pass --text-field "
+                "with the field that holds the text."
             )
         return text
 
@@ -80,7 +82,8 @@ class Corpus:
         table = pq.ParquetFile(file)
         if self.text_field not in table.schema_arrow.names:
             raise DataError(
-                f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); pass --text-field with the column that holds the text."
+                f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); "
+                "pass --text-field with the column that holds the text."
             )
         row = 0
         for batch in table.iter_batches(columns=[self.text_field]):
@@ -113,9 +116,10 @@ class Corpus:
             first = []
         except Exception as e:  # noqa: BLE001 - the hub's many failure types all mean "cannot read it"
             raise DataError(
-                f"Could not read the dataset {where}, split {self.split}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                "Check the name (a local path that does not exist is looked up on the hub), --dataset-name and --split, "
-                "and that this machine reaches huggingface.co (or set HF_TOKEN for a gated dataset)."
+                f"Could not read the dataset {where}, split {self.split}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}. Check the name (a local path that does not exist is "
+                "looked up on the hub), --dataset-name and --split, and that this machine reaches huggingface.co "
+                "(or set HF_TOKEN for a gated dataset)."
             ) from None
         yield from self._records(itertools.chain(first, rows), where)
 
@@ -145,7 +149,8 @@ def local_files(path: Path) -> list[Path]:
     unknown = [f for f in files if f.suffix.lower() not in suffixes]
     if unknown:
         raise DataError(
-            f"{unknown[0]} is not a corpus file this reader knows ({', '.join(suffixes)}); convert it or pass a folder of such files."
+            f"{unknown[0]} is not a corpus file this reader knows ({', '.join(suffixes)}); "
+            "convert it or pass a folder of such files."
         )
     return files
 
@@ -157,7 +162,8 @@ def _read_text(file: Path) -> str:
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise DataError(
-            f"{file} is not UTF-8 text: byte {e.start} (line {line}) is {data[e.start : e.start + 1]!r}. Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+            f"{file} is not UTF-8 text: byte {e.start} (line {line}) is {data[e.start : e.start + 1]!r}. "
+            "Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
         ) from None
 
 

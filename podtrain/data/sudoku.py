@@ -39,7 +39,8 @@ class _Search:
                 bit = 1 << v
                 if (self.rows[i // 9] | self.cols[i % 9] | self.boxes[BOX[i]]) & bit:
                     raise DataError(
-                        f"Sudoku grid repeats the digit {v} in the row, column or box of cell {i}; the puzzle is invalid."
+                        f"Sudoku grid repeats the digit {v} in the row, column or box "
+                        f"of cell {i}; the puzzle is invalid."
                     )
                 self.rows[i // 9] |= bit
                 self.cols[i % 9] |= bit
@@ -158,7 +159,8 @@ def read_csv(
             for line, row in enumerate(reader, start=2):
                 if len(row) != 4 or len(row[1]) != 81 or len(row[2]) != 81 or not row[3].isdigit():
                     raise DataError(
-                        f"{path}:{line} is not `source,question,answer,rating` with 81-character grids; is it a Sudoku-Extreme CSV?"
+                        f"{path}:{line} is not `source,question,answer,rating` with 81-character "
+                        "grids; is it a Sudoku-Extreme CSV?"
                     )
                 yield row
 
@@ -184,8 +186,9 @@ def download_csv(split: str) -> Path:
         return Path(hf_hub_download(HUB_REPO, f"{split}.csv", repo_type="dataset"))
     except Exception as e:  # network, authentication or a missing file: all mean "no data here"
         raise DataError(
-            f"Could not download {split}.csv of {HUB_REPO} from the Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
-            "Without network, build puzzles locally with `podtrain data sudoku --source generate`, or pass a local CSV with --csv."
+            f"Could not download {split}.csv of {HUB_REPO} from the Hugging Face hub ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]}). Without network, build puzzles locally with "
+            "`podtrain data sudoku --source generate`, or pass a local CSV with --csv."
         ) from None
 
 
@@ -259,7 +262,8 @@ def build(
     if source == "generate":
         if not 17 <= givens <= 80:
             raise DataError(
-                f"--givens={givens}: a Sudoku with a unique solution has 17 to 80 clues; pick a number in that range (40+ is easy, 25 is hard)."
+                f"--givens={givens}: a Sudoku with a unique solution has 17 to 80 clues; pick a number in "
+                "that range (40+ is easy, 25 is hard)."
             )
         train = generate_set(n_train, seed, givens, min_rating)
         test = generate_set(n_test, seed + 1, givens, min_rating)

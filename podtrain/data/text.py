@@ -25,8 +25,9 @@ def data_tokenizer(cfg: DataConfig):
     tokenizer = load_tokenizer(str(Path(cfg.path) / "tokenizer") if cfg.tokenizer == "auto" else cfg.tokenizer)
     if tokenizer.identity != made_with["sha256"]:
         raise DataError(
-            f"The shards in {cfg.path} were made with the tokenizer {made_with['spec']} (sha256 {made_with['sha256'][:12]}), "
-            f"not data.tokenizer={cfg.tokenizer} (sha256 {tokenizer.identity[:12]}). Leave data.tokenizer=auto to use theirs, or prepare the corpus with this tokenizer."
+            f"The shards in {cfg.path} were made with the tokenizer {made_with['spec']} (sha256 "
+            f"{made_with['sha256'][:12]}), not data.tokenizer={cfg.tokenizer} (sha256 {tokenizer.identity[:12]}). "
+            "Leave data.tokenizer=auto to use theirs, or prepare the corpus with this tokenizer."
         )
     return tokenizer
 
@@ -38,7 +39,8 @@ def load_tokens(cfg: DataConfig, tokenizer) -> tuple:
         manifest = load_manifest(cfg.path)
         if cfg.dataset_name and manifest["corpus"]["dataset_name"] != cfg.dataset_name:
             raise DataError(
-                f"The shards in {cfg.path} were prepared from {manifest['corpus']['input']} config {manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}."
+                f"The shards in {cfg.path} were prepared from {manifest['corpus']['input']} config "
+                f"{manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}."
             )
         return TokenStream.of(cfg.path, manifest, "train"), TokenStream.of(cfg.path, manifest, "val")
     if cfg.source == "text" and not Path(cfg.path).exists():

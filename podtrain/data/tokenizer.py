@@ -50,7 +50,8 @@ class HFTokenizer:
             self.tokenizer = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
             raise DataError(
-                f"{file} is not a tokenizer.json the `tokenizers` library reads ({e}); give a folder saved by a Hugging Face tokenizer."
+                f"{file} is not a tokenizer.json the `tokenizers` library reads ({e}); give a folder "
+                "saved by a Hugging Face tokenizer."
             ) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(file.parent / "tokenizer_config.json")
@@ -83,7 +84,8 @@ def load_tokenizer(spec: str):
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise DataError(
-                f"The tokenizer folder {spec} has no tokenizer.json; fit one with `podtrain data tokenizer` or give a Hugging Face model's folder or name."
+                f"The tokenizer folder {spec} has no tokenizer.json; fit one with `podtrain data tokenizer` or give a "
+                "Hugging Face model's folder or name."
             )
         return HFTokenizer(spec, path / "tokenizer.json")
     if path.is_file():
@@ -98,8 +100,9 @@ def _from_hub(name: str) -> Path:
         file = Path(hf_hub_download(name, "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 - not found, gated and offline are all "cannot get it"
         raise DataError(
-            f"Could not get the tokenizer `{name}`: it is not a local path, and from the Hugging Face hub: {type(e).__name__}. "
-            "Check the name (e.g. HuggingFaceTB/SmolLM-360M), that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with tokenizer.json."
+            f"Could not get the tokenizer `{name}`: it is not a local path, and from the Hugging Face hub: "
+            f"{type(e).__name__}. Check the name (e.g. HuggingFaceTB/SmolLM-360M), that this machine reaches "
+            "huggingface.co (or set HF_TOKEN), or give a local folder with tokenizer.json."
         ) from None
     with contextlib.suppress(Exception):  # optional: it names the EOS token
         hf_hub_download(name, "tokenizer_config.json")
@@ -131,7 +134,8 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTok
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise DataError(
-            f"--vocab-size {vocab_size} is below the {len(alphabet)} byte tokens plus {EOS}; give at least {len(alphabet) + 1}."
+            f"--vocab-size {vocab_size} is below the {len(alphabet)} byte tokens plus {EOS}; "
+            f"give at least {len(alphabet) + 1}."
         )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -31,19 +31,22 @@ def load_manifest(path: str | Path) -> dict:
     file = folder / MANIFEST
     if not file.is_file():
         unfinished = (
-            " It holds shards of a prepare that did not finish: rerun that `podtrain data prepare` command to complete it."
+            " It holds shards of a prepare that did not finish: "
+            "rerun that `podtrain data prepare` command to complete it."
             if (folder / "prepare.json").is_file()
             else ""
         )
         raise DataError(
             f"data.path={path} is not a folder of prepared tokens (no {MANIFEST}).{unfinished} "
-            f"Make one with `podtrain data prepare --input CORPUS --tokenizer TOKENIZER --out DIR` (CORPUS may be a hub dataset such as HuggingFaceTB/smollm-corpus "
-            "with --dataset-name cosmopedia-v2), then train with data.source=tokens data.path=DIR."
+            "Make one with `podtrain data prepare --input CORPUS --tokenizer TOKENIZER --out DIR` (CORPUS may "
+            "be a hub dataset such as HuggingFaceTB/smollm-corpus with --dataset-name cosmopedia-v2), then train "
+            "with data.source=tokens data.path=DIR."
         )
     manifest = json.loads(file.read_text())
     if manifest.get("format") != FORMAT:
         raise DataError(
-            f"{file} has format {manifest.get('format')}, not {FORMAT}; prepare the corpus again with this version of podtrain."
+            f"{file} has format {manifest.get('format')}, not {FORMAT}; prepare the corpus "
+            "again with this version of podtrain."
         )
     return manifest
 

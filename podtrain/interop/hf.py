@@ -66,17 +66,20 @@ def model_keys(hf: dict, where: str) -> dict:
     if hf.get("model_type") != "llama":
         kind = hf.get("model_type") or (hf.get("architectures") or ["an unknown architecture"])[0]
         raise ConfigError(
-            f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type llama: Llama, SmolLM, TinyLlama)."
+            f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type "
+            "llama: Llama, SmolLM, TinyLlama)."
         )
     for key, value in UNSUPPORTED.items():
         if hf.get(key, value) != value:
             raise ConfigError(
-                f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so this checkpoint cannot be converted."
+                f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so "
+                "this checkpoint cannot be converted."
             )
     d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, d_model // n_heads):
         raise ConfigError(
-            f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / num_attention_heads = {d_model // n_heads}."
+            f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / "
+            f"num_attention_heads = {d_model // n_heads}."
         )
     # transformers >= 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
     rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
@@ -99,7 +102,8 @@ def model_keys(hf: dict, where: str) -> dict:
         keys |= {"rope_scaling": kind, **{ours: rope[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
     elif kind != "default":
         raise ConfigError(
-            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary embedding and Llama 3's (`llama3`)."
+            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
+            "embedding and Llama 3's (`llama3`)."
         )
     return keys
 
@@ -150,7 +154,8 @@ def hf_folder(source: str) -> Path:
     if not path.is_dir():
         if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
             raise ConfigError(
-                f"{source} is neither a folder with a Hugging Face checkpoint (config.json and *.safetensors) nor a hub model name like HuggingFaceTB/SmolLM-135M."
+                f"{source} is neither a folder with a Hugging Face checkpoint (config.json and *.safetensors) nor a "
+                "hub model name like HuggingFaceTB/SmolLM-135M."
             )
         from huggingface_hub import snapshot_download
 
@@ -159,7 +164,8 @@ def hf_folder(source: str) -> Path:
         except Exception as e:  # noqa: BLE001 - not found, gated and offline are all "cannot get it"
             raise ConfigError(
                 f"Could not get the model `{source}` from the Hugging Face hub: {type(e).__name__}. "
-                "Check the name, that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with config.json and *.safetensors."
+                "Check the name, that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder "
+                "with config.json and *.safetensors."
             ) from None
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -188,7 +194,8 @@ class SafeTensors:
             pickles = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
             if not files:
                 hint = (
-                    f"; its {', '.join(pickles)} are pickles, which podtrain never loads (they can run code). Convert them first, e.g. `transformers` save_pretrained(..., safe_serialization=True)"
+                    f"; its {', '.join(pickles)} are pickles, which podtrain never loads (they can run code). "
+                    "Convert them first, e.g. `transformers` save_pretrained(..., safe_serialization=True)"
                     if pickles
                     else ""
                 )
@@ -263,7 +270,8 @@ def read_params(folder: Path, abstract_params, where: str):
             for name in names:
                 if tensors.shape(name) != _hf_shape(one.shape, in_axes):
                     raise CheckpointError(
-                        f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(_hf_shape(one.shape, in_axes))}."
+                        f"{where}: {name} is {list(tensors.shape(name))}, where this config needs "
+                        f"{list(_hf_shape(one.shape, in_axes))}."
                     )
             placed = (_place(tensors.get(name), one, in_axes) for name in names)
             arrays.append(_stacked(placed, leaf) if stacked else next(placed))

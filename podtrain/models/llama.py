@@ -54,7 +54,8 @@ class LlamaConfig(ModelConfig):
         super().validate()
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
-                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; grouped-query attention shares each kv head by a whole number of query heads."
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; "
+                "grouped-query attention shares each kv head by a whole number of query heads."
             )
 
 

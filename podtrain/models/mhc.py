@@ -61,7 +61,8 @@ class MhcConfig(llama.LlamaConfig):
         super().validate()
         if self.projection == "permutations" and self.streams > 4:
             raise ConfigError(
-                f"model.projection=permutations mixes all {self.streams}! permutations of the streams; use model.streams<=4 or projection=sinkhorn."
+                f"model.projection=permutations mixes all {self.streams}! permutations of the streams; "
+                "use model.streams<=4 or projection=sinkhorn."
             )
 
 

@@ -212,13 +212,16 @@ def report(p: Plan) -> str:
     m, c = p.memory, p.cfg
     lines = [
         f"target      {p.target.label}",
-        f"job         {c.model.name}, {c.model.compute_dtype} compute, remat {c.model.remat}, batch {c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} "
-        f"(grad_accum {c.train.grad_accum}), mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
-        f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} (gradients {_gib(m.gradients)} among them)",
+        f"job         {c.model.name}, {c.model.compute_dtype} compute, remat {c.model.remat}, batch "
+        f"{c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} (grad_accum {c.train.grad_accum}), "
+        f"mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
+        f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} "
+        f"(gradients {_gib(m.gradients)} among them)",
         f"            = {_gib(m.total)} per device of {_gib(m.available)}: " + ("fits" if p.fits else "DOES NOT FIT"),
         f"flops       model {p.flops_per_step:.3g} per step"
         + (
-            f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = {p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's"
+            f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = "
+            f"{p.matmul_flops * len(p.target.devices) / p.flops_per_step:.2f}x the model's"
             if p.matmul_flops
             else ""
         )
@@ -242,10 +245,14 @@ def report(p: Plan) -> str:
 
 def sweep_table(rows: list) -> str:
     lines = [
-        f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
+        f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  "
+        f"{'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
     ]
     for changes, p in rows:
-        mesh = f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} {changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
+        mesh = (
+            f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} "
+            f"{changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
+        )
         if isinstance(p, str):
             lines.append(f"{mesh}  cannot: {p.split('. ')[0]}")
         else:

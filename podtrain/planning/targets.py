@@ -64,7 +64,8 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
     chips = cores // CORES_PER_CHIP[generation]
     if chips < 1 or chips & (chips - 1):
         raise ConfigError(
-            f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. {generation}-{8 * CORES_PER_CHIP[generation]}."
+            f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. "
+            f"{generation}-{8 * CORES_PER_CHIP[generation]}."
         )
     dims = _topology(generation, chips)
     options = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
@@ -80,8 +81,10 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
         )
     except Exception as e:  # no libtpu, or a topology it does not know
         raise DeviceError(
-            f"--target {name} compiles for the TPU through libtpu, which could not describe a {generation} {'x'.join(map(str, dims))} slice here "
-            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Install the tpu extra: `pip install -e '.[tpu]'`."
+            f"--target {name} compiles for the TPU through libtpu, which could not describe a "
+            f"{generation} {'x'.join(map(str, dims))} slice here "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). "
+            "Install the tpu extra: `pip install -e '.[tpu]'`."
         ) from None
     return Target(name, "tpu", CHIPS[generation], list(topology.devices), estimate=False)
 
@@ -108,7 +111,8 @@ def fake_devices(name: str, count: int) -> list:
     if count > len(have):
         raise ConfigError(
             f"--target {name} needs {count} fake CPU devices and this process has {len(have)}: run `podtrain plan` "
-            f"(it sets jax_num_cpu_devices={count} itself), or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts."
+            f"(it sets jax_num_cpu_devices={count} itself), or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts."
         )
     return have[:count]
 
@@ -131,7 +135,8 @@ def target(name: str) -> Target:
     count = device_count(name)
     if count is None or count < 1:
         raise ConfigError(
-            f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box (h100, h100x8, a100x8, h200), or cpu:N."
+            f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box "
+            "(h100, h100x8, a100x8, h200), or cpu:N."
         )
     if name.startswith("cpu"):
         return Target(name, "cpu", measured_cpu(count), fake_devices(name, count), estimate=False)

@@ -59,12 +59,14 @@ def start(cfg: Config, announce: bool = True) -> Runtime:
     if announce and jax.process_count() > 1:  # every process, so each log shows that it joined
         local = jax.local_devices(backend=rt.platform)
         print(
-            f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in {join_s:.2f} s, with {len(local)} local {rt.platform} devices",
+            f"[podtrain] process {jax.process_index()}/{jax.process_count()} joined {procs.coordinator} in "
+            f"{join_s:.2f} s, with {len(local)} local {rt.platform} devices",
             flush=True,
         )
     if announce and rt.is_main:
         print(
-            f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, {mesh_lib.describe(mesh)}",
+            f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, "
+            f"{mesh_lib.describe(mesh)}",
             flush=True,
         )
     return rt

@@ -51,7 +51,8 @@ def select_devices(device_type: str = "auto") -> list[jax.Device]:
     extra = "tpu" if platform == "tpu" else "gpu"
     raise DeviceError(
         f"device_type={device_type} was requested but JAX cannot start a {platform.upper()} here ({why}). "
-        f"Install the matching extra (`pip install -e '.[{extra}]'`) on a machine that has one, or use device_type=auto to take what is present."
+        f"Install the matching extra (`pip install -e '.[{extra}]'`) on a machine that has one, or use "
+        "device_type=auto to take what is present."
     )
 
 

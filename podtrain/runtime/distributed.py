@@ -47,7 +47,8 @@ def _check_address(address: str, source: str) -> str:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise DistributedError(
-            f"The coordinator address {address!r} from {source} is not HOST:PORT; give the address of process 0, e.g. 10.0.0.1:1234."
+            f"The coordinator address {address!r} from {source} is not HOST:PORT; give the address "
+            "of process 0, e.g. 10.0.0.1:1234."
         )
     return address
 
@@ -57,8 +58,8 @@ def _jax_processes(environ) -> Processes:
     if missing:
         given = ", ".join(f"{name}={environ[name]}" for name in JAX_VARS if environ.get(name))
         raise DistributedError(
-            f"{given} is set but {', '.join(missing)} is not. Set all three of JAX_COORDINATOR_ADDRESS=HOST:PORT (process 0), "
-            "JAX_PROCESS_COUNT=N and JAX_PROCESS_INDEX=I (0..N-1), or none of them for a single process."
+            f"{given} is set but {', '.join(missing)} is not. Set all three of JAX_COORDINATOR_ADDRESS=HOST:PORT "
+            "(process 0), JAX_PROCESS_COUNT=N and JAX_PROCESS_INDEX=I (0..N-1), or none of them for a single process."
         )
     address = _check_address(environ["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS")
     return Processes(
@@ -88,8 +89,8 @@ def _torchrun_processes(environ) -> Processes:
     if missing:
         given = ", ".join(f"{name}={environ[name]}" for name in (*TORCHRUN_VARS, "LOCAL_RANK") if environ.get(name))
         raise DistributedError(
-            f"{given} is set but {', '.join(missing)} is not. A torchrun-style launch needs MASTER_ADDR, MASTER_PORT, WORLD_SIZE "
-            "and RANK (or NODE_RANK, NPROC_PER_NODE and LOCAL_RANK); or unset them all for a single process."
+            f"{given} is set but {', '.join(missing)} is not. A torchrun-style launch needs MASTER_ADDR, MASTER_PORT, "
+            "WORLD_SIZE and RANK (or NODE_RANK, NPROC_PER_NODE and LOCAL_RANK); or unset them all for a single process."
         )
     # torchrun's own agent listens on MASTER_PORT, so under torchrun the coordinator takes the next port.
     port = _int(environ, "MASTER_PORT") + (1 if environ.get("TORCHELASTIC_RUN_ID") else 0)
@@ -113,8 +114,8 @@ def from_environment(environ=os.environ) -> Processes | None:
         return None
     if procs.count < 1 or not 0 <= procs.index < procs.count:
         raise DistributedError(
-            f"Process index {procs.index} is outside 0..{procs.count - 1} for a count of {procs.count} ({procs.source}); "
-            "give each of the N processes its own index from 0 to N-1."
+            f"Process index {procs.index} is outside 0..{procs.count - 1} for a count of {procs.count} "
+            f"({procs.source}); give each of the N processes its own index from 0 to N-1."
         )
     return procs
 
@@ -146,11 +147,20 @@ def _deadline(seconds: int, procs: Processes | None):
 
     def give_up():
         if procs is None:
-            what = "This process could not join the cluster that jax.distributed detected (SLURM, Open MPI, TPU pod or Kubernetes)"
+            what = (
+                "This process could not join the cluster that jax.distributed detected "
+                "(SLURM, Open MPI, TPU pod or Kubernetes)"
+            )
             why = "Check that every task of the job was started."
         else:
-            what = f"Process {procs.index} of {procs.count} ({procs.source}) could not join the coordinator at {procs.coordinator}"
-            why = f"{_why(procs)} Check that all {procs.count} processes were started with the same coordinator address and process count, each with its own index."
+            what = (
+                f"Process {procs.index} of {procs.count} ({procs.source}) could not join the "
+                f"coordinator at {procs.coordinator}"
+            )
+            why = (
+                f"{_why(procs)} Check that all {procs.count} processes were started with the same coordinator address "
+                "and process count, each with its own index."
+            )
         print(
             f"podtrain: error: {what} within {seconds} s (distributed.init_timeout). {why}", file=sys.stderr, flush=True
         )

@@ -41,8 +41,9 @@ def doctor(cfg: Config) -> None:
     index, count = jax.process_index(), jax.process_count()
     result, expected, seconds = all_reduce(rt.mesh)
     print(
-        f"[doctor] process {index}/{count} on {socket.gethostname()}: {len(jax.local_devices(backend=rt.platform))} local devices, "
-        f"all-reduce over {rt.mesh.devices.size} devices = {result:g} (expected {expected:g}) in {seconds * 1e3:.2f} ms",
+        f"[doctor] process {index}/{count} on {socket.gethostname()}: {len(jax.local_devices(backend=rt.platform))} "
+        f"local devices, all-reduce over {rt.mesh.devices.size} devices = {result:g} "
+        f"(expected {expected:g}) in {seconds * 1e3:.2f} ms",
         flush=True,
     )
     # Every process's result, gathered so process 0 can say which ones went wrong.
@@ -51,10 +52,12 @@ def doctor(cfg: Config) -> None:
     if rt.is_main:
         slowest = int(results[:, 1].argmax())
         print(
-            f"[doctor] {count - len(wrong)}/{count} processes got the right all-reduce; slowest: process {slowest} at {results[slowest, 1] * 1e3:.2f} ms",
+            f"[doctor] {count - len(wrong)}/{count} processes got the right all-reduce; slowest: process {slowest} "
+            f"at {results[slowest, 1] * 1e3:.2f} ms",
             flush=True,
         )
     if wrong:
         raise DistributedError(
-            f"The all-reduce over the mesh gave a wrong result on processes {wrong} (expected {expected:g}); check those hosts' devices and interconnect."
+            f"The all-reduce over the mesh gave a wrong result on processes {wrong} (expected {expected:g}); "
+            "check those hosts' devices and interconnect."
         )

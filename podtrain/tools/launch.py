@@ -39,7 +39,8 @@ def gpus_per_process(nproc: int, devices_per_proc: int | None) -> int:
     per_proc = devices_per_proc or gpus // nproc
     if per_proc < 1 or per_proc * nproc > gpus:
         raise ConfigError(
-            f"{nproc} processes x {devices_per_proc or per_proc} GPUs do not fit the {gpus} GPUs of this machine; lower --nproc or --devices-per-proc."
+            f"{nproc} processes x {devices_per_proc or per_proc} GPUs do not fit the {gpus} GPUs of this machine; "
+            "lower --nproc or --devices-per-proc."
         )
     return per_proc
 
@@ -113,11 +114,13 @@ def launch(
     Returns 0 when all succeed, else the exit status of the first to fail."""
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ConfigError(
-            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}: need nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes."
+            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}: "
+            "need nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes."
         )
     if nnodes > 1 and not coordinator:
         raise ConfigError(
-            "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can reach (or MASTER_ADDR and MASTER_PORT)."
+            "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can "
+            "reach (or MASTER_ADDR and MASTER_PORT)."
         )
     coordinator = coordinator or f"127.0.0.1:{free_port()}"
     gpus = gpus_per_process(nproc, devices_per_proc)
@@ -135,7 +138,8 @@ def launch(
             sys.exit(128 + signum)
         asked.append(signum)
         print(
-            f"[launch] {signal.Signals(signum).name}: asking the processes to save and stop (again to stop them at once)",
+            f"[launch] {signal.Signals(signum).name}: asking the processes to save and "
+            "stop (again to stop them at once)",
             file=sys.stderr,
             flush=True,
         )

@@ -1,4 +1,5 @@
-"""Training curves as a PNG: loss and val_loss, learning rate, tokens/s and (for puzzles) held-out accuracy against step."""
+"""Training curves as a PNG: loss and val_loss, learning rate, tokens/s and (for puzzles) held-out
+accuracy against step."""
 
 from __future__ import annotations
 

@@ -167,7 +167,8 @@ class Checkpointer:
         if damaged:
             listing = "; ".join(f"step {s}: {why}" for s, why in damaged)
             raise CheckpointError(
-                f"No intact checkpoint in {self.directory} ({listing}). Nothing was renamed or deleted; move them away to start afresh, or use a new run_dir."
+                f"No intact checkpoint in {self.directory} ({listing}). Nothing was renamed or deleted; "
+                "move them away to start afresh, or use a new run_dir."
             )
         raise CheckpointError(f"No checkpoint in {self.directory}; train first (podtrain train ... run_dir=...).")
 

@@ -26,8 +26,9 @@ def _check_batch(cfg: Config, dp: int) -> None:
     micro = cfg.train.batch_size // cfg.train.grad_accum
     if micro % dp:
         raise ConfigError(
-            f"The microbatch of {micro} sequences (train.batch_size={cfg.train.batch_size} / train.grad_accum={cfg.train.grad_accum}) "
-            f"does not split over the {dp} data-parallel shards (mesh data x fsdp). Make train.batch_size / train.grad_accum a multiple of {dp}."
+            f"The microbatch of {micro} sequences (train.batch_size={cfg.train.batch_size} / "
+            f"train.grad_accum={cfg.train.grad_accum}) does not split over the {dp} data-parallel shards "
+            f"(mesh data x fsdp). Make train.batch_size / train.grad_accum a multiple of {dp}."
         )
 
 

@@ -23,8 +23,9 @@ def warmup_note(t: TrainConfig) -> str | None:
     if t.warmup_steps < t.steps:
         return None
     return (
-        f"train.warmup_steps={t.warmup_steps} is not shorter than train.steps={t.steps}: the learning rate ramps up for the whole run, "
-        f"reaching {t.steps / t.warmup_steps:.0%} of train.lr={t.lr:g} at the last step, with no decay."
+        f"train.warmup_steps={t.warmup_steps} is not shorter than train.steps={t.steps}: the learning "
+        f"rate ramps up for the whole run, reaching {t.steps / t.warmup_steps:.0%} of train.lr={t.lr:g} "
+        "at the last step, with no decay."
     )
 
 

@@ -40,7 +40,8 @@ class StopRequests:
             os._exit(128 + signum)  # asked twice: leave now; the last complete checkpoint stays
         self.received = signal.Signals(signum)
         print(
-            f"\n[podtrain] {self.received.name}: stopping after this step and saving a checkpoint; send it again to exit at once.",
+            f"\n[podtrain] {self.received.name}: stopping after this step and saving a "
+            "checkpoint; send it again to exit at once.",
             file=sys.stderr,
             flush=True,
         )

@@ -56,7 +56,8 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
     )
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     n_params = sum(s.size for s in jax.tree.leaves(shapes))
-    # Init runs once; on CPU, XLA's optimisations of its random-number code cost more (~4x the compile time) than they save.
+    # Init runs once; on CPU, XLA's optimisations of its random-number code cost more (~4x the
+    # compile time) than they save.
     options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else None
     return ModelFns(
         graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params, mesh

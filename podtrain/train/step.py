@@ -20,9 +20,10 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
     train/task.py) of the model built from the params; `carry` is this microbatch's slice of
     state["carry"] (e.g. the ACT state of HRM/TRM; None without one) and `key` is fresh randomness
     for every microbatch of every step. A step whose loss or gradient norm is not finite leaves the
-    state unchanged but for the step, and says so in its `skipped` metric. Microbatch gradients are summed in a scan inside the step,
-    so accumulation costs no extra dispatch and the accumulator lives sharded like the params. A
-    metric is a scalar, averaged over the microbatches, or a (sum, count) pair, pooled over them.
+    state unchanged but for the step, and says so in its `skipped` metric. Microbatch gradients are
+    summed in a scan inside the step, so accumulation costs no extra dispatch and the accumulator
+    lives sharded like the params. A metric is a scalar, averaged over the microbatches, or a (sum,
+    count) pair, pooled over them.
     """
     tx, lr, fns = setup.tx, optim.schedule(cfg_train), setup.fns
     param_shardings = shardings_of(setup.abstract_state["params"])

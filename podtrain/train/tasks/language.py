@@ -94,7 +94,8 @@ class LanguageTask(Task):
         t = cfg.train
         if cfg.data.source == "sudoku":
             raise ConfigError(
-                f"data.source=sudoku holds puzzles for model.name=hrm or trm, not text for model.name={cfg.model.name}; use data.source=pydoc, text or tokens."
+                "data.source=sudoku holds puzzles for model.name=hrm or trm, not text for "
+                f"model.name={cfg.model.name}; use data.source=pydoc, text or tokens."
             )
         self.cfg, self.positions = cfg, t.seq_len
         self.train_batch = jax.ShapeDtypeStruct(
@@ -110,13 +111,14 @@ class LanguageTask(Task):
         largest = max_token_id(cfg.data, self.tokenizer)
         if cfg.model.vocab_size <= largest:
             raise DataError(
-                f"The data holds token ids up to {largest} (tokenizer {self.tokenizer.spec}), out of range for model.vocab_size={cfg.model.vocab_size}; "
-                f"set model.vocab_size=auto or a number above {largest}."
+                f"The data holds token ids up to {largest} (tokenizer {self.tokenizer.spec}), out of range for "
+                f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size=auto or a number above {largest}."
             )
         if cfg.data.pack == "documents":
             if self.tokenizer.eos_id is None:
                 raise ConfigError(
-                    f"data.pack=documents finds documents by their EOS token, which the tokenizer {self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one."
+                    "data.pack=documents finds documents by their EOS token, which the tokenizer "
+                    f"{self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one."
                 )
             self.loss_fn, self.eval_fn = (
                 partial(next_token_loss, eos_id=self.tokenizer.eos_id),
@@ -124,7 +126,10 @@ class LanguageTask(Task):
             )
         train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
         windows, n = train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed)
-        self.summary = f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); an epoch is {n // t.batch_size:,} steps"
+        self.summary = (
+            f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); "
+            f"an epoch is {n // t.batch_size:,} steps"
+        )
         self.batches = BatchReader(windows, self.train_batch.sharding, self.train_batch.shape, axis=1, epoch_size=n)
         self.eval_batches = BatchReader(
             eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches),

@@ -144,11 +144,13 @@ class PuzzleTask(Task):
         t, m = cfg.train, cfg.model
         if cfg.data.source != "sudoku":
             raise ConfigError(
-                f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built by `podtrain data sudoku --out DIR`."
+                f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built "
+                "by `podtrain data sudoku --out DIR`."
             )
         if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
             raise ConfigError(
-                f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} and model.vocab_size={sudoku.VOCAB}."
+                f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} "
+                f"and model.vocab_size={sudoku.VOCAB}."
             )
         slots, sharding = (t.grad_accum, t.batch_size // t.grad_accum), batch_sharding(mesh, leading=1)
         self.positions = CELLS
@@ -171,9 +173,13 @@ class PuzzleTask(Task):
         for name, split_set in (("train", train_set), ("test", test_set)):
             if len(split_set.inputs) < t.batch_size:
                 raise DataError(
-                    f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than train.batch_size={t.batch_size}; build more or lower the batch."
+                    f"{cfg.data.path} has {len(split_set.inputs)} {name} puzzles, fewer than "
+                    f"train.batch_size={t.batch_size}; build more or lower the batch."
                 )
-        self.summary = f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell accuracy {test_set.copy_baseline():.1%})"
+        self.summary = (
+            f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell "
+            f"accuracy {test_set.copy_baseline():.1%})"
+        )
         train_rows, test_rows = train_set.rows(), test_set.rows()
         self.batches = BatchReader(
             shuffled(len(train_rows), cfg.seed, train_rows.__getitem__),
