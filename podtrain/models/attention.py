@@ -37,9 +37,8 @@ def grouped_attention(
     may attend to a key, and with `causal` only to keys at or before its own position."""
     b, t, n, h = q_BTNH.shape
     s, kv = k_BSKH.shape[1:3]
-    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(
-        h**-0.5, q_BTNH.dtype
-    )  # scaled before the product: T x H, not T x S, multiplies
+    # Scaled before the product: T x H, not T x S, multiplies.
+    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(h**-0.5, q_BTNH.dtype)
     allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
@@ -125,7 +124,8 @@ def splash_attention(
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by n_heads query heads."""
+    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
+    n_heads query heads."""
 
     def __init__(
         self,

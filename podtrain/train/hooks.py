@@ -62,10 +62,12 @@ class Throughput:
 
 
 class TrainHooks:
-    def __init__(self, cfg: Config, job: Job, checkpointer: Checkpointer, log: MetricsLog, stop: StopRequests,
-                 progress, bar, peak_flops: float | None, start: int):  # fmt: skip
+    def __init__(
+        self, cfg: Config, job: Job, checkpointer: Checkpointer, log: MetricsLog, stop: StopRequests, ui, start: int
+    ):
         self.cfg, self.job, self.checkpointer, self.log, self.stop = cfg, job, checkpointer, log, stop
-        self.progress, self.bar, self.peak_flops, self.start = progress, bar, peak_flops, start
+        self.progress, self.bar, self.peak_flops = ui  # the rich Progress, its bar, the mesh's peak FLOP/s
+        self.start = start
         self.window = Throughput(start)
         self.last: dict = {"step": start}
         self.bad_run, self.previous = 0, None  # skipped updates in a row; the last step's flag, read a step late
@@ -109,10 +111,8 @@ class TrainHooks:
         tokens_per_sec = job.tokens_per_step / step_time if step_time else None
         mfu = job.flops_per_step / step_time / self.peak_flops if step_time and self.peak_flops else None
         epoch = job.task.batches.epoch(end.done - 1)
-        self.last = {
-            "step": end.done, "epoch": epoch, **metrics,
-            "tokens_per_sec": tokens_per_sec, "step_time": step_time, "mfu": mfu,
-        }  # fmt: skip
+        rates = {"tokens_per_sec": tokens_per_sec, "step_time": step_time, "mfu": mfu}
+        self.last = {"step": end.done, "epoch": epoch, **metrics, **rates}
         self.log.write(self.last)
         rate = f"  {tokens_per_sec:,.0f} tok/s" if tokens_per_sec else ""
         status = f"loss {metrics['loss']:.4f}{rate}" + (f"  mfu {mfu:.1%}" if mfu else "")

@@ -113,19 +113,16 @@ def train(cfg: Config) -> dict:
         )
         return {"step": start}
     log = MetricsLog(run.dir, start, rt.is_main)
-    columns = [
-        TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-    ]  # fmt: skip
+    columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}")]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
         batches = task.batches.stream(start, t.steps, cfg.data.workers, cfg.data.prefetch)
         with (
-            Progress(*columns, console=console, disable=not rt.is_main) as progress,
+            Progress(*columns, TimeRemainingColumn(), console=console, disable=not rt.is_main) as progress,
             StopRequests() as stop,
             closing(batches),
         ):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
-            hooks = TrainHooks(cfg, job, checkpointer, log, stop, progress, bar, rt.peak_flops, start)
+            hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start)
             trainer = Trainer(job.step)
             hooks.attach(trainer)
             state = trainer.run(state, batches, start, t.steps)
