@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import jax
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.digest import checksums

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from podtrain.config import load_config, resolve_auto
+from podtrain.config.load import load_config, resolve_auto
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
-from podtrain.train.lm import LanguageTask
+from podtrain.train.tasks.language import LanguageTask
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 H100_STEP_TOKENS = 0.5 * 989e12 / (6 * 1.1e9)  # tokens/s of a 1.1B step at 50% MFU

@@ -34,7 +34,7 @@ PRESETS = {  # (d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, tied)
 
 
 def model_config(preset: str, max_seq_len: int = 2048):
-    from podtrain.config import load_config
+    from podtrain.config.load import load_config
 
     d, layers, heads, kv, ff, vocab, tied = PRESETS[preset]
     keys = dict(
@@ -60,9 +60,9 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     import ml_dtypes
     import numpy as np
     from flax import nnx
+    from podtrain.interop.hf import TENSORS, _hf_shape, _names, _one, hf_config
     from podtrain.models import build_model
     from podtrain.train.digest import leaf_name
-    from podtrain.train.hf import TENSORS, _hf_shape, _names, _one, hf_config
     from safetensors.numpy import save_file
 
     cfg = model_config(preset).model
@@ -113,8 +113,8 @@ def naive_load(folder: str) -> None:
     import jax
     import numpy as np
     from podtrain import runtime
-    from podtrain.config import load_config, resolve_auto
-    from podtrain.train.hf import TENSORS, _names, model_keys
+    from podtrain.config.load import load_config, resolve_auto
+    from podtrain.interop.hf import TENSORS, _names, model_keys
     from podtrain.train.state import model_fns
     from safetensors.numpy import load_file
 
@@ -165,8 +165,8 @@ def convert(args) -> None:
 def generate(args) -> None:
     import jax
     from podtrain.runtime.mesh import build_mesh
-    from podtrain.train.sample import cached_tokens, window_tokens
     from podtrain.train.state import model_fns
+    from podtrain.train.tasks.sampling import cached_tokens, window_tokens
 
     cfg = model_config("135m", args.window)
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))

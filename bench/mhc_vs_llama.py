@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 

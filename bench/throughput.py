@@ -32,9 +32,9 @@ import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
-from podtrain.config import load_config, resolve_auto
+from podtrain.config.load import load_config, resolve_auto
+from podtrain.runtime.chips import peak_flops
 from podtrain.runtime.devices import select_devices
-from podtrain.runtime.hardware import peak_flops
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train import optim
 from podtrain.train.job import build

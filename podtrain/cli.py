@@ -11,7 +11,7 @@ from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 def _config(args):
     """The config of a train or doctor command line: file, setup-guide flags, then overrides."""
-    from podtrain.config import FLAG_ALIASES, load_config
+    from podtrain.config.load import FLAG_ALIASES, load_config
 
     overrides = [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
     return load_config(args.config, overrides + args.overrides, small_model=getattr(args, "use_small_model", False))
@@ -95,15 +95,25 @@ def _launch(args) -> int:
 
 
 def _generate(args) -> None:
-    from podtrain.train.sample import generate_from_run
+    from podtrain.train.run import Run
+    from podtrain.train.tasks.sampling import sample
 
+    run = Run.at(args.run_dir)
+    cfg, fns, params = run.language_model()
     temperature = 0.0 if args.greedy else args.temperature
-    print(
-        args.prompt
-        + generate_from_run(
-            args.run_dir, args.prompt, args.max_new_tokens, temperature, args.seed, cache=not args.no_cache
-        )
+    window = cfg.model.max_seq_len  # the model's positions
+    text = sample(
+        fns,
+        params,
+        run.tokenizer(),
+        args.prompt,
+        args.max_new_tokens,
+        temperature,
+        window,
+        args.seed,
+        not args.no_cache,
     )
+    print(args.prompt + text)
 
 
 def _convert(args) -> None:
@@ -134,14 +144,14 @@ def _plan(args) -> int:
 
     import jax
 
-    from podtrain.runtime import hardware
+    from podtrain.planning import targets as hardware
 
     # A plan compiles on this machine's CPU, or for a TPU through libtpu: it starts no accelerator,
     # and fake host devices stand in for a GPU box's.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", hardware.device_count(args.target.strip().lower()) or 1)
+    from podtrain.planning import plan
     from podtrain.runtime import use_compile_cache
-    from podtrain.tools import plan
 
     cfg, target = _config(args), hardware.target(args.target)
     use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
@@ -157,10 +167,10 @@ def _plan(args) -> int:
 def _checkpoints(args) -> None:
     import json
 
-    from podtrain.config import run_config
-    from podtrain.train.checkpoint import describe, run_checkpoints
+    from podtrain.train.checkpoint import describe
+    from podtrain.train.run import Run
 
-    rows = describe(run_checkpoints(args.run_dir, run_config(args.run_dir)))
+    rows = describe(Run.at(args.run_dir).checkpoint_dir)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -188,7 +198,7 @@ class _Alias(argparse.Action):
 
 
 def parser() -> argparse.ArgumentParser:
-    from podtrain.config import FLAG_ALIASES
+    from podtrain.config.load import FLAG_ALIASES
 
     p = argparse.ArgumentParser(
         prog="podtrain", description="One config, any device: JAX training from a laptop CPU to a TPU pod."

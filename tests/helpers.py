@@ -2,7 +2,7 @@
 
 import jax
 import numpy as np
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from podtrain.config import MeshConfig
+from podtrain.config.schema import MeshConfig
 from podtrain.data.loader import BatchReader, train_windows
 from podtrain.runtime import distributed
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.step import batch_sharding
+from podtrain.sharding import batch_sharding
 
 SEQ, ACCUM, MICRO, STEPS = 4, 2, 4, 3
 

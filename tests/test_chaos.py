@@ -10,7 +10,7 @@ import time
 
 import jax
 import numpy as np
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.job import build

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 from podtrain.cli import parser
-from podtrain.config import MeshConfig, default_config, load_config, mesh_from_env, resolve_auto, save_config
+from podtrain.config.load import default_config, load_config, mesh_from_env, resolve_auto, save_config
+from podtrain.config.schema import MeshConfig
 from podtrain.errors import ConfigError, MeshError
 from podtrain.runtime.mesh import resolve_shape
 
@@ -48,7 +49,7 @@ def test_small_model_fits_every_recipe(recipe):
 
 
 def test_each_family_has_only_its_keys():
-    from podtrain.config import all_keys
+    from podtrain.config.schema import all_keys
 
     keys = {
         name: {k for k in all_keys(default_config(name)) if k.startswith(("model.", "train."))}

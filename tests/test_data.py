@@ -15,13 +15,31 @@ from podtrain.data.prepare import is_validation, prepare
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import load_tokenizer
 from podtrain.data.tokens import TokenStream, load_manifest
-from podtrain.train.lm import document_ids
 from podtrain.train.metrics import read_metrics
+from podtrain.train.tasks.language import document_ids
 
 from conftest import SMALL
 from helpers import run_steps
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "from", "every", "loud", "noise", "in", "town"]
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "dogs",
+    "ran",
+    "far",
+    "away",
+    "from",
+    "every",
+    "loud",
+    "noise",
+    "in",
+    "town",
+]
 
 
 def documents(n: int, seed: int = 0) -> list[str]:
@@ -121,7 +139,7 @@ def test_packing_puts_every_token_in_an_epoch_once(corpus):
 
 def test_document_mask_keeps_attention_inside_documents():
     from flax import nnx
-    from podtrain.config import load_config
+    from podtrain.config.load import load_config
     from podtrain.models import build_model
 
     eos = 0

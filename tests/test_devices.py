@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 from podtrain.errors import DeviceError
-from podtrain.runtime import devices, hardware
+from podtrain.runtime import chips, devices
 
 
 def fake_backends(monkeypatch, present: dict):
@@ -72,4 +72,4 @@ def test_a_forced_platform_is_taken_or_is_an_error_that_says_why(monkeypatch):
     ],
 )
 def test_peak_flops_by_device_kind(kind, peak):
-    assert hardware.peak_flops(SimpleNamespace(device_kind=kind)) == peak
+    assert chips.peak_flops(SimpleNamespace(device_kind=kind)) == peak

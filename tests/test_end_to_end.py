@@ -6,13 +6,14 @@ import shutil
 import jax
 import numpy as np
 from podtrain.cli import main
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.data.tokenizer import ByteTokenizer
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
-from podtrain.train.sample import sample
 from podtrain.train.state import model_fns
+from podtrain.train.tasks.sampling import sample
 
 
 def expected_sample(checkpoints, prompt, n, seed):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.errors import CheckpointError
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
@@ -151,7 +151,7 @@ def test_checksums_are_their_definition_on_any_sharding(shape):
     it on the host, for the array whole and sharded over a 2x2x2 mesh."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
-    from podtrain.config import MeshConfig
+    from podtrain.config.schema import MeshConfig
     from podtrain.runtime.mesh import build_mesh
     from podtrain.train.digest import checksums
 

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.train.loop import train
-from podtrain.train.sample import cached_tokens, run_model, window_tokens
+from podtrain.train.run import Run
+from podtrain.train.tasks.sampling import cached_tokens, window_tokens
 from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
@@ -73,7 +74,7 @@ def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def podtrain_logits(run_dir, tokens: np.ndarray) -> np.ndarray:
-    _, fns, params = run_model(str(run_dir))
+    _, fns, params = Run.at(run_dir).language_model()
     return np.asarray(fns.apply(params, jnp.asarray(tokens)))
 
 
@@ -146,7 +147,7 @@ def test_greedy_generation_with_the_cache_equals_transformers_and_no_cache(tmp_p
         theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=32, do_sample=False, min_new_tokens=0)[
             0, 7:
         ].tolist()
-    cfg, fns, params = run_model(str(tmp_path / "run"))
+    cfg, fns, params = Run.at(tmp_path / "run").language_model()
     cached = cached_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0)
     assert cached == theirs
     assert window_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0) == cached

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
-from podtrain.runtime.mesh import build_mesh, sharded_jit
+from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
 from podtrain.train.state import model_fns
 
 from conftest import SMALL

@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.models import build_model
 from podtrain.models.layers import Attention, apply_rope, rope_tables
-from podtrain.runtime.mesh import build_mesh, sharded_jit
+from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
 
 
 def small_model(overrides, extra=()):

@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
@@ -21,7 +22,7 @@ from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
-from podtrain.train.sample import sample
+from podtrain.train.tasks.sampling import sample
 
 from conftest import SMALL
 from helpers import run_steps

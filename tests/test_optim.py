@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train import optim
 from podtrain.train.state import decay_mask, init_state, train_setup

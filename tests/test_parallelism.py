@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
-from podtrain.config import load_config
-from podtrain.runtime.hlo import collectives, summary
-from podtrain.runtime.mesh import build_mesh, sharded_jit
+from podtrain.config.load import load_config
+from podtrain.planning.hlo import collectives, summary
+from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
 from podtrain.train.job import compile_step
 from podtrain.train.state import model_fns
 

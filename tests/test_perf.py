@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config import MeshConfig, load_config
+from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
 from podtrain.models import build_model
 from podtrain.models.layers import grouped_attention, swiglu
-from podtrain.runtime.mesh import build_mesh, sharded_jit
-from podtrain.train import lm
+from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
+from podtrain.train.tasks import language as lm
 
 ROOT = Path(__file__).parent.parent
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import jax
 import pytest
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.errors import DoesNotFit
 from podtrain.models.layers import causal_blocks
-from podtrain.runtime import hardware
+from podtrain.planning import fit, plan
+from podtrain.planning import targets as hardware
+from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh
-from podtrain.tools import plan
-from podtrain.train import fit
 from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.state import model_fns
@@ -108,7 +108,7 @@ def test_a_job_that_does_not_fit_gets_the_smallest_change():
     small = fit.changed(cfg, {"train.grad_accum": 2})
     needed = plan.plan(small, cpu(8), remedy=False).memory.total
     target = cpu(8)
-    target.chip = hardware.Chip("tight", "cpu", (needed + big.memory.total) / 2, 1e12, 1e11, 1e10)
+    target.chip = chips.Chip("tight", "cpu", (needed + big.memory.total) / 2, 1e12, 1e11, 1e10)
     p = plan.plan(cfg, target)
     assert not p.fits and p.remedy is not None and p.remedy_plan.fits
     assert "smallest change that fits" in plan.report(p)
@@ -151,7 +151,7 @@ def test_gpu_target_is_an_estimate_in_json():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["fits"] and report["estimate"] and report["devices"] == 1
-    assert report["device_bytes"] == 0.75 * hardware.CHIPS["h100"].memory  # JAX's GPU allocator's default share
+    assert report["device_bytes"] == 0.75 * chips.CHIPS["h100"].memory  # JAX's GPU allocator's default share
     for key in ("bytes_per_device", "flops_per_step", "step_time_s", "tokens_per_sec", "mfu"):
         assert report[key], key
 
@@ -183,7 +183,7 @@ def test_7b_on_one_16gib_chip_does_not_fit():
     out = _cli(str(CONFIGS / "llama_7b.yaml"), "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "--target", "v5e-1")
     assert out.returncode == 3, out.stderr[-2000:]
     assert "DOES NOT FIT" in out.stdout and "Use more devices: about 16" in out.stdout
-    assert math.isclose(hardware.CHIPS["v5e"].memory / 2**30, 15.75)
+    assert math.isclose(chips.CHIPS["v5e"].memory / 2**30, 15.75)
 
 
 def test_splash_attention_equals_xla_attention():

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 from podtrain.cli import main
-from podtrain.config import Range, default_config, leaves, load_config, ranges
-from podtrain.train.loop import divergence_hint
+from podtrain.config.load import default_config, load_config
+from podtrain.config.schema import Range, leaves, ranges
+from podtrain.train.hooks import divergence_hint
 
 FAMILIES = ("llama", "mhc", "hrm", "trm")
 README = Path(__file__).parent.parent / "README.md"
@@ -35,7 +36,7 @@ def test_out_of_range_exits_2_naming_key_and_range(override, valid, tmp_path, ca
     """Rejected while loading: nothing is started (runtime.start would fail the test)."""
     import podtrain.train.loop as loop
 
-    monkeypatch.setattr(loop.runtime, "start", lambda cfg: pytest.fail("the runtime started"))
+    monkeypatch.setattr(loop, "on_this_machine", lambda cfg: pytest.fail("the runtime started"))
     args = override.split()
     assert main(["train", *args, f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err

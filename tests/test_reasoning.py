@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.data import sudoku
 from podtrain.train.metrics import read_metrics
-from podtrain.train.reasoning import CELLS, act_loss, split, stablemax_cross_entropy
+from podtrain.train.tasks.puzzles import CELLS, act_loss, split, stablemax_cross_entropy
 
 from helpers import run_steps, trainer
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config import load_config
+from podtrain.config.load import load_config
 from podtrain.models.layers import rope_tables
 from podtrain.models.recursive import HRM, TRM
 

@@ -8,13 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from podtrain.config import DataConfig
+from podtrain.config.schema import DataConfig
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import BYTES, load_tokenizer
 from podtrain.data.tokens import TokenStream, load_manifest
 from podtrain.errors import DataError
-
-RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer: a copy of the run's tokenizer, for generate and export
 
 
 def data_tokenizer(cfg: DataConfig):
@@ -31,21 +29,6 @@ def data_tokenizer(cfg: DataConfig):
             f"not data.tokenizer={cfg.tokenizer} (sha256 {tokenizer.identity[:12]}). Leave data.tokenizer=auto to use theirs, or prepare the corpus with this tokenizer."
         )
     return tokenizer
-
-
-def run_tokenizer(run_dir: str | Path):
-    """The tokenizer a run trained with: its kept copy, or bytes."""
-    kept = Path(run_dir) / RUN_TOKENIZER
-    return load_tokenizer(str(kept) if kept.is_dir() else BYTES)
-
-
-def check_run_tokenizer(run_dir: str | Path, tokenizer) -> None:
-    """A resumed run must keep the tokenizer its embeddings were trained on."""
-    if (Path(run_dir) / "config.yaml").is_file() and (before := run_tokenizer(run_dir).identity) != tokenizer.identity:
-        raise DataError(
-            f"{run_dir} was trained with another tokenizer (sha256 {before[:12]}) than this data's ({tokenizer.spec}, {tokenizer.identity[:12]}); "
-            "its embeddings would read the wrong tokens. Use data prepared with the run's tokenizer, or a new run_dir."
-        )
 
 
 def load_tokens(cfg: DataConfig, tokenizer) -> tuple:

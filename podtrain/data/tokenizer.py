@@ -7,6 +7,7 @@ they were made with the same one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -100,10 +101,8 @@ def _from_hub(name: str) -> Path:
             f"Could not get the tokenizer `{name}`: it is not a local path, and from the Hugging Face hub: {type(e).__name__}. "
             "Check the name (e.g. HuggingFaceTB/SmolLM-360M), that this machine reaches huggingface.co (or set HF_TOKEN), or give a local folder with tokenizer.json."
         ) from None
-    try:  # optional: it names the EOS token
+    with contextlib.suppress(Exception):  # optional: it names the EOS token
         hf_hub_download(name, "tokenizer_config.json")
-    except Exception:  # noqa: BLE001
-        pass
     return file
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.runtime.mesh import constrain, per_shard, shards
+from podtrain.sharding import constrain, per_shard, shards
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -170,6 +170,9 @@ def _attend_bwd(blocks, residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: sequences are whole blocks
+
+
 def splash_attention(
     q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False
 ) -> jax.Array:
@@ -177,12 +180,9 @@ def splash_attention(
     live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
     device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
     repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash,
-    )
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_mask as masks,
-    )
+    # Imported where used: loading Pallas's TPU kernels costs a second, for TPU jobs only.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     n, head_dim = q_BTNH.shape[2:]
     k_BTNH, v_BTNH = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k_BTKH, v_BTKH))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config import ModelConfig, ranged
+from podtrain.config.schema import ModelConfig, key, same_key
 from podtrain.errors import ConfigError
+from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
     HEAD,
@@ -26,32 +28,27 @@ from podtrain.models.layers import (
     scan_layers,
     stacked,
 )
-from podtrain.runtime.mesh import constrain
+from podtrain.sharding import constrain
+from podtrain.train.tasks.language import LanguageTask
 
 
 @dataclass
 class LlamaConfig(ModelConfig):
-    name: str = "llama"
-    n_layers: int = ranged(4, ">= 1")
-    n_kv_heads: int = ranged(
-        2, ">= 1"
-    )  # grouped-query attention: n_heads / n_kv_heads query heads share a key/value head
-    tie_embeddings: bool = True  # the output head is the embedding table, transposed
-    init_std: float = ranged(
-        0.02, "> 0"
-    )  # weights start normal with this std; residual outputs with std / sqrt(2 n_layers)
-    rope_scaling: str = (
-        "none"  # none | llama3: Llama 3's stretch of the long rotary wavelengths, with the four keys below
+    name: str = same_key(ModelConfig, "name", "llama")
+    n_layers: int = key(4, "decoder layers, stacked and scanned", ">= 1")
+    n_kv_heads: int = key(2, "key/value heads: n_heads / n_kv_heads query heads share one (grouped-query)", ">= 1")
+    tie_embeddings: bool = key(True, "the output head is the embedding table, transposed")
+    init_std: float = key(0.02, "std of the initial weights; residual outputs get std / sqrt(2 n_layers)", "> 0")
+    rope_scaling: Literal["none", "llama3"] = key(
+        "none", "llama3: Llama 3's stretch of the long rotary wavelengths, with the four rope_ keys below"
     )
-    rope_factor: float = ranged(8.0, ">= 1")
-    rope_low_freq_factor: float = ranged(1.0, "> 0")
-    rope_high_freq_factor: float = ranged(4.0, "> 0")
-    rope_original_max_len: int = ranged(
-        8192, ">= 1"
-    )  # the context length the model was pretrained at before the stretch
-    loss_chunk: int = ranged(
-        0, ">= 0"
-    )  # positions per chunk of the training loss, so that one chunk's float32 logits exist at a time; 0: all at once
+    rope_factor: float = key(8.0, "llama3 scaling: how far the long wavelengths are stretched", ">= 1")
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
+    rope_original_max_len: int = key(8192, "llama3 scaling: the context length before the stretch", ">= 1")
+    loss_chunk: int = key(
+        0, "positions per chunk of the loss, so one chunk's float32 logits exist at a time; 0: all at once", ">= 0"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -194,3 +191,9 @@ def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
     mask's saving is not subtracted). The embedding lookup is free unless tied to the head."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+# The embedded tiny job's layer sizes: --use-small-model makes any Llama recipe this small.
+DEBUG = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384}
+
+FAMILY = Family("llama", LlamaConfig, Llama, flops_per_token, LanguageTask, DEBUG)

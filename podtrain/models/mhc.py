@@ -31,26 +31,31 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.config import ranged
+from podtrain.config.schema import ModelConfig, key, same_key
 from podtrain.errors import ConfigError
 from podtrain.models import llama
+from podtrain.models.family import Family
 from podtrain.models.layers import RMSNorm, param
-from podtrain.runtime.mesh import constrain
+from podtrain.sharding import constrain
+from podtrain.train.tasks.language import LanguageTask
 
 
 @dataclass
 class MhcConfig(llama.LlamaConfig):
-    name: str = "mhc"
-    streams: int = ranged(4, ">= 1")  # parallel residual streams (n)
-    sinkhorn_iters: int = ranged(20, ">= 1")
-    projection: str = "sinkhorn"  # sinkhorn (mHC) | permutations (mHC-lite, streams <= 4)
-    alpha_init: float = ranged(0.01, "finite")  # initial gate of the input-dependent part of the mixing
+    name: str = same_key(ModelConfig, "name", "mhc")
+    streams: int = key(4, "parallel residual streams (n)", ">= 1")
+    sinkhorn_iters: int = key(20, "Sinkhorn-Knopp iterations of the residual mixing's projection", ">= 1")
+    projection: Literal["sinkhorn", "permutations"] = key(
+        "sinkhorn", "sinkhorn (mHC), or a mix of all permutations (mHC-lite, streams <= 4)"
+    )
+    alpha_init: float = key(0.01, "initial gate of the input-dependent part of the mixing", "finite")
 
     def validate(self) -> None:
         super().validate()
@@ -157,3 +162,6 @@ def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int) -> float:
     layer: H_res·x, H_pre·x and H_postᵀ·y, (n² + 2n)·C multiply-adds each, 6 FLOPs per training pass."""
     n = cfg.streams
     return llama.flops_per_token(cfg, n_params, seq_len) + 6 * 2 * cfg.n_layers * (n * n + 2 * n) * cfg.d_model
+
+
+FAMILY = Family("mhc", MhcConfig, Mhc, flops_per_token, LanguageTask, llama.DEBUG)

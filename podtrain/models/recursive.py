@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config import ModelConfig, ranged
+from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
     HEAD,
@@ -52,7 +53,8 @@ from podtrain.models.layers import (
     scan_layers,
     stacked,
 )
-from podtrain.runtime.mesh import constrain
+from podtrain.sharding import constrain
+from podtrain.train.tasks.puzzles import PuzzleTask
 
 INIT_KEY = 1234  # the fixed draw of the initial states
 
@@ -62,36 +64,36 @@ class RecursiveConfig(ModelConfig):
     """HRM and TRM: the recursion under the names of their reference configs, and Sudoku's
     vocabulary and length as defaults."""
 
-    vocab_size: int = ranged(11, ">= 1")
-    max_seq_len: int = ranged(81, ">= 1")
-    H_cycles: int = ranged(3, ">= 1")
-    L_cycles: int = ranged(6, ">= 1")
-    L_layers: int = ranged(2, ">= 1")
-    halt_max_steps: int = ranged(16, ">= 1")
-    halt_exploration_prob: float = ranged(0.1, "[0, 1]")
-    no_ACT_continue: bool = (
-        True  # halt when q_halt > 0 (TRM); False: when q_halt > q_continue, with q_continue's loss (HRM)
+    vocab_size: int = same_key(ModelConfig, "vocab_size", 11)
+    max_seq_len: int = same_key(ModelConfig, "max_seq_len", 81)
+    H_cycles: int = key(3, "high-level cycles per supervision segment", ">= 1")
+    L_cycles: int = key(6, "low-level cycles per high-level cycle", ">= 1")
+    L_layers: int = key(2, "blocks of the low-level module (TRM: of its one network)", ">= 1")
+    halt_max_steps: int = key(16, "supervision segments before a puzzle must halt (ACT)", ">= 1")
+    halt_exploration_prob: float = key(0.1, "chance that a puzzle may not halt before a random step", "[0, 1]")
+    no_ACT_continue: bool = key(
+        True, "halt when q_halt > 0 (TRM); false: when q_halt > q_continue, with q_continue's loss (HRM)"
     )
-    puzzle_emb_len: int = ranged(16, ">= 1")  # sequence positions in front of the puzzle for its learned embedding
-    num_puzzle_ids: int = ranged(1, ">= 1")  # one shared puzzle embedding for Sudoku
+    puzzle_emb_len: int = key(16, "sequence positions in front of the puzzle for its learned embedding", ">= 1")
+    num_puzzle_ids: int = key(1, "puzzle embeddings (one shared embedding for Sudoku)", ">= 1")
     mlp_t: ClassVar[bool] = False  # attention in every block; TRM makes it a key
 
 
 @dataclass
 class HrmConfig(RecursiveConfig):
-    name: str = "hrm"
-    H_cycles: int = ranged(2, ">= 1")
-    L_cycles: int = ranged(2, ">= 1")
-    H_layers: int = ranged(4, ">= 1")  # the high-level module's blocks; L_layers the low-level one's
-    L_layers: int = ranged(4, ">= 1")
-    no_ACT_continue: bool = False
-    puzzle_emb_len: int = ranged(1, ">= 1")
+    name: str = same_key(ModelConfig, "name", "hrm")
+    H_cycles: int = same_key(RecursiveConfig, "H_cycles", 2)
+    L_cycles: int = same_key(RecursiveConfig, "L_cycles", 2)
+    H_layers: int = key(4, "blocks of the high-level module", ">= 1")
+    L_layers: int = same_key(RecursiveConfig, "L_layers", 4)
+    no_ACT_continue: bool = same_key(RecursiveConfig, "no_ACT_continue", False)
+    puzzle_emb_len: int = same_key(RecursiveConfig, "puzzle_emb_len", 1)
 
 
 @dataclass
 class TrmConfig(RecursiveConfig):
-    name: str = "trm"
-    mlp_t: bool = False  # an MLP across the sequence instead of attention (the Sudoku variant)
+    name: str = same_key(ModelConfig, "name", "trm")
+    mlp_t: bool = key(False, "an MLP across the sequence instead of attention (the Sudoku variant)")
 
 
 def _swiglu_width(dim: int, expansion: float = 4) -> int:
@@ -244,3 +246,9 @@ def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
         forward, with_grad = r.H_cycles * (r.L_cycles + 1) * r.L_layers, (r.L_cycles + 1) * r.L_layers
     passes = forward * (1 if r.no_ACT_continue else 2) + 2 * with_grad
     return block * passes * length / seq_len + 6 * d * cfg.vocab_size
+
+
+DEBUG = {"d_model": 128, "n_heads": 4, "d_ff": 384}  # the tiny job's widths, for --use-small-model
+
+HRM_FAMILY = Family("hrm", HrmConfig, HRM, flops_per_token, PuzzleTask, DEBUG)
+TRM_FAMILY = Family("trm", TrmConfig, TRM, flops_per_token, PuzzleTask, DEBUG)

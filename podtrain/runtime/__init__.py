@@ -10,9 +10,9 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from podtrain.config import Config
+from podtrain.config.schema import Config
+from podtrain.runtime import chips, distributed
 from podtrain.runtime import devices as devices_lib
-from podtrain.runtime import distributed, hardware
 from podtrain.runtime import mesh as mesh_lib
 
 
@@ -29,7 +29,7 @@ class Runtime:
     @property
     def peak_flops(self) -> float | None:
         """Peak FLOP/s of the whole mesh, or None where the device's peak is unknown."""
-        peak = hardware.peak_flops(self.devices[0])
+        peak = chips.peak_flops(self.devices[0])
         return peak * len(self.devices) if peak else None
 
 

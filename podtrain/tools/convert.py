@@ -8,14 +8,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from podtrain import runtime
-from podtrain.config import Config, default_config, load_config, resolve_auto, save_config
-from podtrain.data.text import RUN_TOKENIZER, run_tokenizer
+from podtrain.config.load import default_config, load_config
+from podtrain.config.schema import Config
 from podtrain.data.tokenizer import keep_tokenizer, load_tokenizer
 from podtrain.errors import ConfigError
+from podtrain.interop.hf import hf_config, hf_folder, model_keys, read_hf_config, read_params, write_params
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.hf import hf_config, hf_folder, model_keys, read_hf_config, read_params, write_params
-from podtrain.train.sample import run_model
+from podtrain.train.run import Run, on_this_machine
 from podtrain.train.state import model_fns
 
 
@@ -30,10 +29,8 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
         raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
     has_tokenizer = (folder / "tokenizer.json").is_file()
     keys = model_keys(read_hf_config(folder), source)
-    seq_len = min(
-        default_config("llama").train.seq_len, keys["max_seq_len"]
-    )  # the default, where the model's positions allow it
-    tokenizer = [f"data.tokenizer={(run / RUN_TOKENIZER).resolve()}"] if has_tokenizer else []
+    seq_len = min(default_config("llama").train.seq_len, keys["max_seq_len"])  # where the positions allow it
+    tokenizer = [f"data.tokenizer={(run / Run.TOKENIZER).resolve()}"] if has_tokenizer else []
     cfg = load_config(
         None,
         [
@@ -44,16 +41,13 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
             *overrides,
         ],
     )
-    rt = runtime.start(cfg, announce=False)
-    fns = model_fns(resolve_auto(cfg, rt.platform), rt.mesh)
+    rt, resolved = on_this_machine(cfg, announce=False)
+    fns = model_fns(resolved, rt.mesh)
     start = time.perf_counter()
     params = read_params(folder, fns.abstract_params, source)
     seconds = time.perf_counter() - start
-    if rt.is_main:
-        run.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run / "config.yaml")  # `auto` precision kept: resolved on the machine that trains
-        if has_tokenizer:
-            keep_tokenizer(load_tokenizer(str(folder)), run / RUN_TOKENIZER)
+    if rt.is_main:  # `auto` precision kept: resolved on the machine that trains
+        Run.of(cfg).keep(cfg, load_tokenizer(str(folder)) if has_tokenizer else None)
     checkpointer = Checkpointer(cfg.checkpoint_dir, async_save=False)
     checkpointer.save({"step": jnp.int32(0), "params": params})
     checkpointer.close()
@@ -64,16 +58,18 @@ def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
     """OUT_DIR with config.json, generation_config.json, the weights (the EMA where the run kept
     one) as safetensors in `dtype`, and the run's tokenizer files when it used a Hugging Face
     tokenizer: what `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads."""
-    cfg, _, params = run_model(run_dir)
+    run = Run.at(run_dir)
+    cfg, _, params = run.language_model()
     if cfg.model.name != "llama":
         raise ConfigError(
-            f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture (LlamaForCausalLM) to export to."
+            f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture "
+            "(LlamaForCausalLM) to export to."
         )
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = run_tokenizer(run_dir)
+    tokenizer = run.tokenizer()
     files = write_params(params, out, dtype)
     (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
     (out / "generation_config.json").write_text(

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain import runtime
-from podtrain.config import Config
+from podtrain.config.schema import Config
 from podtrain.errors import DistributedError
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +51,6 @@ def location(directory) -> str:
     """A checkpoint directory as orbax takes it: remote ones (gs://...) untouched, local ones absolute."""
     directory = str(directory)
     return directory if "://" in directory else os.path.abspath(directory)
-
-
-def run_checkpoints(run_dir, cfg) -> str:
-    """Where a run's checkpoints are: RUN_DIR/checkpoints, wherever the run has been moved or
-    copied to, or the `checkpoint.dir` it was told to write elsewhere."""
-    inside = Path(run_dir) / "checkpoints"
-    return str(inside) if inside.is_dir() or not cfg.checkpoint.dir else cfg.checkpoint.dir
 
 
 def _first_line(e: Exception) -> str:
@@ -237,7 +229,7 @@ def describe(directory) -> list[dict]:
                 DIGEST
             ]
             metadata = checkpointer.manager.item_metadata(step)
-            names = [name for name in metadata.keys() if name != DIGEST and metadata[name] is not None]
+            names = [name for name in metadata.keys() if name != DIGEST and metadata[name] is not None]  # noqa: SIM118
             row["digest"] = fingerprint(recorded)
             for name in names:
                 tree = getattr(metadata[name], "tree", metadata[name])

@@ -10,17 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from podtrain.config import Config
-from podtrain.errors import ConfigError
-from podtrain.models import flops_per_token, task_of
-from podtrain.runtime.mesh import data_parallel_size, sharded_jit
-from podtrain.train.lm import LanguageTask
-from podtrain.train.reasoning import PuzzleTask
-from podtrain.train.state import TrainSetup, init_state, shardings_of, train_setup
-from podtrain.train.step import batch_sharding, make_train_step, mean_over_batches
-from podtrain.train.task import Task
+import jax
 
-TASKS = {"text": LanguageTask, "puzzles": PuzzleTask}  # by models.MODELS[name].task
+from podtrain.config.schema import Config
+from podtrain.errors import ConfigError
+from podtrain.models import family
+from podtrain.sharding import batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
+from podtrain.train.digest import leaf_name
+from podtrain.train.state import TrainSetup, init_state, train_setup
+from podtrain.train.step import make_train_step, mean_over_batches
+from podtrain.train.tasks import Task
 
 
 def _check_batch(cfg: Config, dp: int) -> None:
@@ -51,6 +50,15 @@ class Job:
     def evaluate(self, params) -> dict:
         return mean_over_batches(self.eval_step, params, self.task.eval_batches)
 
+    @property
+    def replicated(self) -> list[str]:
+        """Parameters that a mesh axis their rules name does not divide, replicated over it instead."""
+        fns = self.setup.fns
+        names = jax.tree.leaves(fns.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+        paths = jax.tree_util.tree_flatten_with_path(fns.abstract_params)[0]
+        shapes = {leaf_name(path): (axes, s.shape) for (path, s), axes in zip(paths, names)}
+        return replicated(shapes, fns.mesh)
+
     def compile(self):
         """The train step compiled ahead of time from abstract shapes (no weights allocated)."""
         return self.step.lower(self.abstract_state, self.task.train_batch).compile()
@@ -61,7 +69,8 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
     _check_batch(cfg, data_parallel_size(mesh))
     setup, t = train_setup(cfg, mesh), cfg.train
-    task = TASKS[task_of(cfg.model)](cfg, mesh, data)
+    record = family(cfg.model)
+    task = record.task(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
@@ -71,7 +80,7 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions
-    flops_per_step = flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
+    flops_per_step = record.flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
     return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)
 
 

@@ -21,7 +21,7 @@ class MetricsLog:
             path = Path(run_dir) / "metrics.jsonl"
             kept = [line for line in _records(path) if json.loads(line)["step"] <= start_step]
             path.write_text("".join(kept))
-            self.jsonl = open(path, "a")
+            self.jsonl = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
             self.tb = SummaryWriter(logdir=str(run_dir), purge_step=start_step)
 
     def write(self, record: dict, prefix: str = "train") -> None:

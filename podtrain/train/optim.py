@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-from podtrain.config import TrainConfig
+from podtrain.config.schema import TrainConfig
 
 
 def schedule(t: TrainConfig) -> optax.Schedule:

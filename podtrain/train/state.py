@@ -17,9 +17,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podtrain.config import Config
+from podtrain.config.schema import Config
 from podtrain.models import build_model
-from podtrain.runtime.mesh import logical_sharding
+from podtrain.sharding import logical_sharding, shardings_of
 from podtrain.train import optim
 
 
@@ -61,10 +61,6 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
     return ModelFns(
         graphdef, abstract, axes, jax.jit(make, out_shardings=shardings, compiler_options=options), n_params, mesh
     )
-
-
-def shardings_of(abstract):
-    return jax.tree.map(lambda s: s.sharding, abstract)
 
 
 def decay_mask(fns: ModelFns):

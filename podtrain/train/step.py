@@ -6,16 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from podtrain.runtime.mesh import RULES, sharded_jit
+from podtrain.sharding import batch_sharding, sharded_jit, shardings_of
 from podtrain.train import optim
-from podtrain.train.state import TrainSetup, shardings_of
-
-
-def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
-    """Rows of a batch over (data, fsdp); `leading` unsharded axes come first (microbatches)."""
-    return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["act_batch"]))
+from podtrain.train.state import TrainSetup
 
 
 def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0):

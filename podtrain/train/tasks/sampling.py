@@ -1,21 +1,13 @@
-"""Sampling text from a trained language model: after training, and from a run directory."""
+"""Sampling text from a language model given as its functions and params (train.state.ModelFns),
+after training and from a run directory."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podtrain import runtime
-from podtrain.config import MeshConfig, resolve_auto, run_config
-from podtrain.data.text import run_tokenizer
-from podtrain.errors import ConfigError
-from podtrain.models import task_of
-from podtrain.runtime.mesh import sharded_jit
-from podtrain.train.checkpoint import Checkpointer, run_checkpoints
-from podtrain.train.state import ModelFns, model_fns
+from podtrain.sharding import sharded_jit
 
 PREFILL_MIN = 64  # the shortest prefill: prompts are padded to a power of two, so that few lengths compile
 
@@ -32,7 +24,7 @@ def _prompt_tokens(tokenizer, prompt: str) -> list[int]:
 
 
 def sample(
-    fns: ModelFns,
+    fns,
     params,
     tokenizer,
     prompt: str,
@@ -48,9 +40,7 @@ def sample(
     return tokenizer.decode(generate(fns, params, tokens, max_new_tokens, temperature, window, seed))
 
 
-def window_tokens(
-    fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int
-) -> list[int]:
+def window_tokens(fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
     """n tokens after `tokens`, each from a full forward pass over the last `window` tokens, padded
     on the right so that one compiled pass serves every position (causal attention ignores the padding)."""
 
@@ -68,9 +58,7 @@ def window_tokens(
     return tokens[-n:] if n else []
 
 
-def cached_tokens(
-    fns: ModelFns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int
-) -> list[int]:
+def cached_tokens(fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
     """n tokens after `tokens` with a key/value cache of `window` positions: one pass over the
     prompt (prefill, padded to a power of two), then one position per token, each program
     compiled once per shape. When the cache is full, the last half window is prefilled again."""
@@ -99,33 +87,3 @@ def cached_tokens(
             pos += 1
         tokens.append(int(token))
     return tokens[-n:] if n else []
-
-
-def run_model(run_dir: str):
-    """(config, model functions, weights) of a run's latest checkpoint (its EMA where it kept one),
-    on this machine's devices with the params replicated."""
-    cfg = run_config(run_dir)
-    if task_of(cfg.model) != "text":
-        raise ConfigError(
-            f"{run_dir} trained model.name={cfg.model.name}, which solves puzzles; generate and convert take a language model (llama, mhc)."
-        )
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
-    rt = runtime.start(cfg, announce=False)
-    cfg = resolve_auto(cfg, rt.platform)
-    fns = model_fns(cfg, rt.mesh)
-    checkpointer = Checkpointer(run_checkpoints(run_dir, cfg))
-    try:
-        return cfg, fns, checkpointer.restore_weights(fns.abstract_params)
-    finally:
-        checkpointer.close()
-
-
-def generate_from_run(
-    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, seed: int = 0, cache: bool = True
-) -> str:
-    """Sample from the latest checkpoint of a run with the run's tokenizer, over a window of the
-    model's positions (model.max_seq_len) with the cache or without it."""
-    cfg, fns, params = run_model(run_dir)
-    return sample(
-        fns, params, run_tokenizer(run_dir), prompt, max_new_tokens, temperature, cfg.model.max_seq_len, seed, cache
-    )

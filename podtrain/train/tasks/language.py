@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from podtrain.config import Config
+from podtrain.config.schema import Config, TrainConfig, key
 from podtrain.data.loader import BatchReader, eval_windows, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
-from podtrain.train.sample import sample
-from podtrain.train.step import batch_sharding
-from podtrain.train.task import Task
+from podtrain.sharding import batch_sharding
+from podtrain.train.tasks import Task
+from podtrain.train.tasks.sampling import sample
+
+
+@dataclass
+class TextTrainConfig(TrainConfig):
+    """Language modelling: the window length and the closing sample."""
+
+    seq_len: int = key(256, "tokens per training window", ">= 1")
+    sample_tokens: int = key(200, "tokens of text sampled from the model at the end; 0: none", ">= 0")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -77,6 +86,7 @@ def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict
 
 
 class LanguageTask(Task):
+    train_config = TextTrainConfig
     loss_fn = staticmethod(next_token_loss)
     eval_fn = staticmethod(validation_loss)
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import jax
 
-from podtrain.config import Config, validate
+from podtrain.config.load import validate
+from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
-from podtrain.runtime.hardware import GiB, device_memory
+from podtrain.runtime.chips import GiB, device_memory
 from podtrain.runtime.mesh import build_mesh, resolve_shape
 from podtrain.train.job import Job, build
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from podtrain.config import Config, resolve_auto
+from podtrain.config.load import resolve_auto
+from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
-from podtrain.runtime import hlo
-from podtrain.runtime.hardware import GiB, Target
+from podtrain.planning import fit, hlo
+from podtrain.planning.targets import Target
+from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
-from podtrain.train import fit
 from podtrain.train.job import build
 
 RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}

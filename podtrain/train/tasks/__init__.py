@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from podtrain.config.schema import TrainConfig
 from podtrain.data.loader import BatchReader
 
 
@@ -35,6 +36,7 @@ class Task:
     # eval_fn(model, batch) -> {metric: mean over the batch}
     eval_fn: Callable
 
+    train_config: type[TrainConfig] = TrainConfig  # the task's keys under `train.`
     train_batch: Any  # jax.ShapeDtypeStruct
     summary: str
     batches: BatchReader

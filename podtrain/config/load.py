@@ -1,0 +1,313 @@
+"""Loading a config: the family's defaults, a YAML file, the environment, setup-guide flags and
+`key=value` overrides, checked against the schema, with `auto` values resolved.
+
+Precedence, lowest first: the family's defaults (for llama, the embedded tiny job), a YAML file,
+`TPU_MESH_CONFIG`/`TPU_AXIS_NAMES`, then command-line flags and overrides. OmegaConf checks keys,
+types and choices; this module turns its exceptions into messages a user can act on. It sits above
+the models (which family a config is) and the data (`model.vocab_size=auto`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from podtrain.config.schema import Config, all_keys, ranges
+from podtrain.data.text import data_tokenizer
+from podtrain.data.tokenizer import vocab_for
+from podtrain.errors import ConfigError
+from podtrain.models import MODELS
+from podtrain.models.layers import SPLASH_BLOCK
+
+# Flags from the setup guides, each an alias of one config key.
+FLAG_ALIASES = {
+    "--batch-size": "train.batch_size",
+    "--total-steps": "train.steps",
+    "--mesh-data": "mesh.data",
+    "--mesh-fsdp": "mesh.fsdp",
+    "--mesh-tp": "mesh.tensor",
+    "--checkpoint-dir": "checkpoint.dir",
+    "--checkpoint-interval": "checkpoint.every",
+    "--log-interval": "train.log_every",
+    "--learning-rate": "train.lr",
+    "--dataset": "data.path",
+    "--dataset-name": "data.dataset_name",
+    "--tokenizer": "data.tokenizer",
+    "--worker-buffer-size": "data.prefetch",
+}
+
+MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
+
+
+def default_config(model: str = "llama") -> Config:
+    """The defaults of model family `model`: its model keys and its task's train keys. With
+    `llama`, the embedded tiny job."""
+    if model not in MODELS:
+        match = difflib.get_close_matches(str(model), MODELS, n=1)
+        hint = f" Did you mean {match[0]}?" if match else ""
+        raise ConfigError(f"model.name={model!r} is not a known model; choose one of: {', '.join(MODELS)}.{hint}")
+    family = MODELS[model]
+    return Config(model=family.config(), train=family.train_config())
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"Config file {path} does not exist. Pass a YAML file (see configs/) or no file for the default job."
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"Config file {path} is not valid YAML: {e}. Fix the file (indentation and `key: value` pairs)."
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"Config file {path} must hold a mapping of keys (like `train: {{steps: 100}}`), "
+            f"not a {type(data).__name__}."
+        )
+    return data
+
+
+def mesh_from_env(environ=os.environ) -> list[str]:
+    """`TPU_MESH_CONFIG="4,4,2"` with `TPU_AXIS_NAMES="data,model,fsdp"` as mesh overrides."""
+    sizes = environ.get("TPU_MESH_CONFIG")
+    if not sizes:
+        return []
+    names = environ.get("TPU_AXIS_NAMES", "data,fsdp,tensor").split(",")
+    sizes = sizes.split(",")
+    if len(names) != len(sizes):
+        raise ConfigError(
+            f"TPU_MESH_CONFIG={','.join(sizes)} has {len(sizes)} sizes but TPU_AXIS_NAMES has {len(names)} names; "
+            "give one name per size."
+        )
+    overrides = []
+    for name, size in zip(names, sizes):
+        axis = MESH_AXIS_ALIASES.get(name.strip())
+        if axis is None:
+            raise ConfigError(
+                f"TPU_AXIS_NAMES names an unknown mesh axis `{name}`; use data, fsdp and tensor (or its aliases "
+                "model, tp)."
+            )
+        overrides.append(f"mesh.{axis}={size.strip()}")
+    return overrides
+
+
+def _select(layers: list[Any], name: str):
+    """The value `name` ends on in the layers, before any type checks (None if unset)."""
+    try:
+        return OmegaConf.select(OmegaConf.merge(*layers), name, default=None) if layers else None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Invalid config: {e.msg}") from None
+
+
+def _choices(defaults: Config, name: str) -> tuple | None:
+    """The values a `Literal` key allows, or None for another kind of key."""
+    *sections, last = name.split(".")
+    node = defaults
+    for section in sections:
+        node = getattr(node, section, None)
+    hint = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+
+
+def _merge(defaults: Config, layers: list[Any]) -> Config:
+    schema = OmegaConf.structured(defaults)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(schema, *layers))
+    except ConfigKeyError as e:
+        name = e.full_key or str(e.key)
+        match = difflib.get_close_matches(name, all_keys(defaults), n=1, cutoff=0.5)
+        hint = f" Did you mean `{match[0]}`?" if match else ""
+        raise ConfigError(
+            f"Unknown config key `{name}` for model.name={defaults.model.name}.{hint} "
+            "docs/configuration.md lists the keys of each model."
+        ) from None
+    except ValidationError as e:
+        if choices := _choices(defaults, e.full_key):
+            raise ConfigError(
+                f"Config key `{e.full_key}` is {e.value!r}; choose one of: {', '.join(choices)}."
+            ) from None
+        expected = type(OmegaConf.select(schema, e.full_key)).__name__ if e.full_key else "?"
+        raise ConfigError(
+            f"Config key `{e.full_key}` got {e.value!r}, which is not a valid {expected}. "
+            f"Give a value of type {expected}."
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Invalid config: {e.msg}") from None
+
+
+def parse_overrides(items: list[str]) -> list[str]:
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"Override `{item}` is not of the form key=value (for example train.steps=100).")
+    return list(items)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] = (), environ=os.environ, small_model: bool = False
+) -> Config:
+    """The config of `path` with `overrides`, checked against the keys of its model family.
+    `small_model` swaps in the family's debug flavor (the tiny job's layer sizes); the vocabulary,
+    sequence length and precision stay the recipe's, so its data and train.seq_len still fit."""
+    layers = []
+    if path:
+        data = _read_yaml(path)
+        check_structure(data, str(path))
+        layers.append(OmegaConf.create(data))
+    try:
+        layers.append(OmegaConf.from_dotlist(mesh_from_env(environ) + parse_overrides(list(overrides))))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"Could not parse overrides: {e.msg}") from None
+    check_structure(OmegaConf.to_container(layers[-1]), "the overrides")
+    name = str(_select(layers, "model.name") or "llama")
+    defaults = default_config(name)
+    auto_vocab = _select(layers, "model.vocab_size") == "auto"
+    for layer in layers if auto_vocab else []:  # a placeholder until the data is known
+        if OmegaConf.select(layer, "model.vocab_size") == "auto":
+            OmegaConf.update(layer, "model.vocab_size", 1)
+    if small_model:
+        debug = OmegaConf.create({"model": MODELS[name].debug})
+        layers.insert(len(layers) - 1, debug)
+    cfg = _merge(defaults, layers)
+    if auto_vocab:
+        cfg.model.vocab_size = auto_vocab_size(cfg)
+    validate(cfg)
+    return cfg
+
+
+def auto_vocab_size(cfg: Config) -> int:
+    """`model.vocab_size=auto`: the data's tokenizer's vocabulary rounded up to a multiple of 128."""
+    if cfg.data.source == "sudoku":
+        raise ConfigError(
+            "model.vocab_size=auto reads a tokenizer's vocabulary; Sudoku's is fixed (11), give it as a number."
+        )
+    return vocab_for(data_tokenizer(cfg.data))
+
+
+def check_structure(data: dict, where: str) -> None:
+    """Sections are mappings of single values: say so, naming the key, before OmegaConf's errors would."""
+    for name, value in data.items():
+        section = dataclasses.is_dataclass(getattr(Config(), str(name), None))
+        if section and not isinstance(value, dict):
+            raise ConfigError(
+                f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`."
+            )
+        for item_key, item in value.items() if section else [(None, value)]:
+            full = f"{name}.{item_key}" if item_key is not None else str(name)
+            if isinstance(item, (dict, list)):
+                raise ConfigError(
+                    f"Config key `{full}` in {where} must be a single value (a number, string or boolean), "
+                    f"not `{item!r}`."
+                )
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than a type: ranges and relations between values."""
+    for name, valid, value in ranges(cfg):
+        if value not in valid:
+            raise ConfigError(
+                f"Config key `{name}` is {value!r}, outside its valid values: {valid}, finite. "
+                "Give a value in that range; docs/configuration.md lists each key's."
+            )
+    cfg.model.validate()
+    t, data, attention = cfg.train, cfg.data, cfg.model.attention
+    if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len."
+        )
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+            "each microbatch must have the same size."
+        )
+    if data.source in ("text", "tokens") and not data.path:
+        folder = (
+            "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)"
+            if data.source == "text"
+            else "DIR, a folder made by `podtrain data prepare --out DIR`"
+        )
+        raise ConfigError(f"data.source={data.source} needs data.path={folder}.")
+    if data.source == "pydoc" and data.path:
+        raise ConfigError(
+            f"data.path={data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens "
+            "(shards from `podtrain data prepare`) or text (a local corpus)."
+        )
+    if attention == "splash" and getattr(t, "seq_len", 1) % SPLASH_BLOCK:
+        raise ConfigError(
+            f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
+            f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
+        )
+    if data.pack == "documents" and attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"data.pack=documents keeps attention inside documents with a mask, which model.attention={attention} "
+            "does not take; use model.attention=xla (or auto)."
+        )
+    if data.source == "sudoku" and not data.path:
+        raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Written whole or not at all (a temporary file renamed over it), so a kill leaves the last one."""
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text(to_yaml(cfg))
+    temporary.replace(path)
+
+
+def run_config(run_dir: str | Path) -> Config:
+    """The config a run was trained with, from RUN_DIR/config.yaml."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
+        )
+    return load_config(path)
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in node.items():
+        flat.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {prefix + name: value})
+    return flat
+
+
+def differences(path: str | Path, cfg: Config) -> list[str]:
+    """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
+    old, new = _flat(yaml.safe_load(Path(path).read_text()) or {}), _flat(yaml.safe_load(to_yaml(cfg)))
+    return [
+        f"{name} ({old.get(name)} there, {new.get(name)} here)"
+        for name in sorted(old.keys() | new.keys())
+        if old.get(name) != new.get(name)
+    ]
+
+
+def resolve_auto(cfg: Config, platform: str) -> Config:
+    """Replace the `auto` precision and attention settings by what suits the platform."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    m = cfg.model
+    if m.compute_dtype == "auto":
+        m.compute_dtype = "float32" if platform == "cpu" else "bfloat16"
+    if m.attention == "auto":
+        # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
+        head_dim = m.d_model // m.n_heads
+        cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
+        splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
+        fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
+        m.attention = fused if cfg.data.pack != "documents" else "xla"
+    return cfg

@@ -1,0 +1,205 @@
+"""The config schema: every key with its type, default, valid values and a one-line description.
+
+Plain dataclasses that import nothing of podtrain but its errors. A key with a fixed set of values
+is a `Literal`, a numeric key carries its `Range`; OmegaConf checks both when a config loads
+(`podtrain.config.load`), and docs/configuration.md is generated from the same fields. Each model
+family's config subclasses `ModelConfig` beside its model; each task's train keys subclass
+`TrainConfig` beside the task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from podtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: finite numbers in an interval, written as in the docs:
+    `> 0`, `>= 1`, `[0, 1)`, `finite`, or `-1 or >= 1` (-1 meaning "the rest")."""
+
+    text: str
+
+    def _parts(self) -> tuple[bool, float, float, bool, bool]:
+        """(minus_one_allowed, low, high, low_open, high_open)."""
+        text, minus_one = self.text, self.text.startswith("-1 or ")
+        text = text.removeprefix("-1 or ")
+        if text == "finite":
+            return minus_one, -math.inf, math.inf, True, True
+        if m := re.fullmatch(r"(>=?) (\S+)", text):
+            return minus_one, float(m[2]), math.inf, m[1] == ">", True
+        m = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", text)
+        return minus_one, float(m[2]), float(m[3]), m[1] == "(", m[4] == ")"
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        minus_one, low, high, low_open, high_open = self._parts()
+        if minus_one and value == -1:
+            return True
+        return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def key(default, doc: str, valid: str | None = None):
+    """A config key: its default, what it does, and for a number its valid values (a Range text,
+    e.g. "[0, 1)"); a malformed range fails at import."""
+    metadata: dict[str, Any] = {"doc": doc}
+    if valid is not None:
+        Range(valid)._parts()
+        metadata["range"] = Range(valid)
+    return field(default=default, metadata=metadata)
+
+
+def same_key(cls, name: str, default):
+    """A subclass's own default for a key `cls` defines, with the same description and range."""
+    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+
+
+@dataclass
+class ModelConfig:
+    """The keys every model family has. Each family's config, beside its model and registered in
+    podtrain.models, adds its own; `model.name` picks which one a config is checked against."""
+
+    name: str = key("llama", "the model family: llama, mhc, hrm or trm")
+    vocab_size: int = key(256, "tokens in the vocabulary (auto: the data's tokenizer's, rounded up to 128)", ">= 1")
+    d_model: int = key(128, "width of the residual stream", ">= 1")
+    n_heads: int = key(4, "attention heads (query heads with grouped-query attention)", ">= 1")
+    d_ff: int = key(384, "hidden width of the SwiGLU MLP", ">= 1")
+    max_seq_len: int = key(256, "positions the model can attend over", ">= 1")
+    rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths", "> 0")
+    norm_eps: float = key(1e-5, "epsilon of RMSNorm", "> 0")
+    remat: Literal["none", "full", "dots"] = key(
+        "none", "what the backward recomputes: nothing, each layer in full, or all but the matmul outputs"
+    )
+    scan_unroll: int = key(1, "layers per scan iteration; the layer count unrolls fully", ">= 1")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = key(
+        "auto", "matmul and activation dtype (auto: bfloat16 on GPU/TPU, float32 on CPU); params stay float32"
+    )
+    attention: Literal["auto", "xla", "cudnn", "splash"] = key(
+        "auto", "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
+    )
+
+    def validate(self) -> None:
+        """Relations between this family's keys; subclasses add theirs."""
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "pick sizes whose ratio is the head dimension."
+            )
+
+
+@dataclass
+class MeshConfig:
+    data: int = key(-1, "devices that hold replicas and split the batch (-1: the rest)", "-1 or >= 1")
+    fsdp: int = key(1, "devices that split the params, gradients and optimizer state (ZeRO-3)", "-1 or >= 1")
+    tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The keys of every task; a task adds its own (e.g. the text task's window length)."""
+
+    steps: int = key(200, "optimizer steps of the run", ">= 1")
+    batch_size: int = key(16, "global batch: examples per step across all devices and processes", ">= 1")
+    lr: float = key(2e-3, "peak learning rate (linear warmup, then cosine decay)", "> 0")
+    min_lr_ratio: float = key(0.1, "final learning rate as a fraction of the peak", "[0, 1]")
+    warmup_steps: int = key(20, "steps of linear warmup", ">= 0")
+    weight_decay: float = key(0.1, "AdamW weight decay, on matrices only", ">= 0")
+    beta1: float = key(0.9, "AdamW's first-moment decay", "[0, 1)")
+    beta2: float = key(0.95, "AdamW's second-moment decay", "[0, 1)")
+    grad_clip: float = key(1.0, "global gradient-norm clip (0: off)", ">= 0")
+    grad_accum: int = key(1, "microbatches per step, their gradients summed inside the step", ">= 1")
+    init_from: str = key(
+        "", "start from these weights (a podtrain run_dir, or a Hugging Face Llama folder or hub name)"
+    )
+    ema: float = key(0.0, "decay of an exponential moving average of the weights (e.g. 0.999); 0: none", "[0, 1)")
+    log_every: int = key(20, "steps between metric lines", ">= 1")
+    eval_every: int = key(100, "steps between evaluations (0: only after the last step)", ">= 0")
+    eval_batches: int = key(8, "batches per evaluation", ">= 1")
+    max_bad_steps: int = key(3, "non-finite steps in a row (each skipped) before training stops", ">= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = key(100, "steps between checkpoints (0: only after the last step)", ">= 0")
+    keep: int = key(3, "newest checkpoints kept", ">= 1")
+    dir: str | None = key(None, "where checkpoints go (default: RUN_DIR/checkpoints; gs:// paths work)")
+    async_save: bool = key(True, "write checkpoints in the background while training goes on")
+
+
+@dataclass
+class DataConfig:
+    source: Literal["pydoc", "text", "tokens", "sudoku"] = key(
+        "pydoc",
+        "pydoc: the English docs every CPython ships; text: a local corpus at data.path; tokens: shards from "
+        "`podtrain data prepare`; sudoku: a folder from `podtrain data sudoku`",
+    )
+    path: str | None = key(None, "the corpus, shards or puzzles of data.source")
+    tokenizer: str = key(
+        "auto", "auto (the shards' own for tokens, else bytes), bytes, a folder with tokenizer.json, or a hub model"
+    )
+    pack: Literal["concat", "documents"] = key(
+        "concat", "concat: documents joined by EOS into rows; documents: attention stays inside each document"
+    )
+    val_fraction: float = key(0.1, "held-out share of in-memory text (prepared shards have their own)", "(0, 1)")
+    dataset_name: str | None = key(None, "if set, the config of the hub dataset the shards must come from")
+    workers: int = key(0, "loader processes (grain); 0: threads of this process", ">= 0")
+    prefetch: int = key(2, "batches read ahead of the step", ">= 0")
+
+
+@dataclass
+class DistributedConfig:
+    init_timeout: int = key(300, "seconds for all processes to join the coordinator", ">= 1")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)  # the family's config, by model.name
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # the task's, by the family's task
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    device_type: Literal["auto", "tpu", "gpu", "cuda", "cpu"] = key(
+        "auto", "the devices to run on (auto: TPU, then GPU, then CPU); a forced one that is absent is an error"
+    )
+    compile_cache: str = key(
+        "auto", "where compiled programs are kept for later runs: auto ($XDG_CACHE_HOME or ~/.cache), a folder, or off"
+    )
+    run_dir: str = key("runs/default", "the run's folder: config.yaml, metrics, events, checkpoints")
+    seed: int = key(0, "seed of the initial weights and the data order", ">= 0")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """A string, not a Path: Path would turn gs://bucket/run into the local gs:/bucket/run."""
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+
+
+def leaves(node: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every value of a config, e.g. ("train.lr", its field, 0.002)."""
+    found = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            found += leaves(value, f"{prefix}{f.name}.")
+        else:
+            found.append((prefix + f.name, f, value))
+    return found
+
+
+def all_keys(node: Any) -> list[str]:
+    return [name for name, _, _ in leaves(node)]
+
+
+def ranges(node: Any) -> list[tuple[str, Range, Any]]:
+    """(dotted key, valid values, value) of every numeric key of a config."""
+    return [(name, f.metadata["range"], value) for name, f, value in leaves(node) if "range" in f.metadata]

@@ -1,0 +1,24 @@
+"""A model family's record: everything podtrain needs to know of it, kept beside its model
+(torchtitan's ModelSpec, levanter's registered configs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from podtrain.config.schema import ModelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # `model.name`
+    config: type[ModelConfig]  # its keys under `model.`
+    module: type  # the Flax NNX module built from that config
+    flops_per_token: Callable[[Any, int, int], float]  # (config, n_params, positions) -> training FLOPs
+    task: type  # what it trains on: a podtrain.train.tasks.Task subclass, which names its train keys
+    debug: dict[str, int]  # the tiny debug flavor: model keys that make any recipe small (--use-small-model)
+
+    @property
+    def train_config(self) -> type[TrainConfig]:
+        return self.task.train_config

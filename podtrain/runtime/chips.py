@@ -1,0 +1,68 @@
+"""The chips podtrain knows: each JAX device's memory, peak FLOP/s and bandwidths, for MFU in
+`train` and for the roofline of `plan`."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import jax
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One JAX device's resources: what a roofline needs."""
+
+    name: str
+    kind: str  # pattern of the device_kind JAX reports for it
+    memory: float  # bytes a program may use on one device
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s one device moves in a ring collective (both directions of its ring)
+
+
+# Sources: TPU: the Cloud TPU system-architecture pages (peak bf16 FLOP/s, HBM, bandwidth) and
+# "How to Scale Your Model" (ICI: 4.5e10 B/s one way per link on v4/v5e, 9e10 on v5p/v6e; a ring
+# over one mesh axis uses a link each way). Usable HBM is what XLA's TPU compiler reports as
+# available (libtpu 0.0.42, measured): a little under the nominal 16/32/95 GiB. v3 shows one JAX
+# device per core (half a chip); v4 and v5p one per chip (megacore). GPU: NVIDIA's datasheets
+# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100); a GPU target
+# holds what JAX's allocator may take, XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of it.
+CHIPS = {
+    "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10),
+    "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10),
+    "v5e": Chip("TPU v5e", r"tpu v5 ?(lite|e)", 15.75 * GiB, 197e12, 819e9, 2 * 4.5e10),
+    "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10),
+    "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10),
+    "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 80e9, 989e12, 3.35e12, 450e9),
+    "h200": Chip("NVIDIA H200", r"h200", 141e9, 989e12, 4.8e12, 450e9),
+    "a100": Chip("NVIDIA A100 SXM", r"a100", 80e9, 312e12, 2.039e12, 300e9),
+}
+# Peak FLOP/s of kinds seen on real devices that no planning target names (for MFU in `train`).
+OTHER_PEAKS = ((r"h100.*pcie", 756e12), (r"h100.*nvl", 835e12), (r"b200", 2250e12))
+
+
+def peak_flops(device) -> float | None:
+    """Peak FLOP/s of a real device by its kind; None where unknown (CPUs)."""
+    kind = device.device_kind.lower()
+    for pattern, flops in OTHER_PEAKS:
+        if re.search(pattern, kind):
+            return flops
+    chip = next((c for c in CHIPS.values() if re.search(c.kind, kind)), None)
+    return chip.peak_flops if chip else None
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory(device) -> float:
+    """Bytes one of these devices may use: the runtime's limit on GPU and TPU; on CPU this
+    machine's memory shared by its local devices."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    return host_memory() / len(jax.local_devices(backend="cpu"))

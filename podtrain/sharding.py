@@ -1,0 +1,148 @@
+"""How arrays are laid out on the mesh `data x fsdp x tensor`: one table from logical axis names
+to mesh axes, and the few functions that apply it.
+
+Parameters and activations both name logical axes; `RULES` alone decides what each mesh axis
+shards. Models pin their activations with `constrain`, which takes effect while a function
+compiled by `sharded_jit` is traced on a mesh and does nothing elsewhere, so a model never sees
+a mesh. Without those pins XLA's partitioner follows the weights, and an fsdp-sharded embedding
+turns fsdp into model parallelism with activation-sized all-reduces. This module imports no
+config and no runtime: models and tasks import it and nothing else of the mesh.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
+RULES: dict[str, tuple[str, ...]] = {
+    # Parameters: ZeRO-3 over fsdp (gathered layer by layer where used), Megatron over tensor.
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "vocab": ("tensor",),
+    "head_dim": (),
+    "layers": (),
+    "seq": (),  # the token-mixing weights of TRM's mlp_t
+    "streams": (),  # mHC's residual streams and their mixing coefficients
+    # Activations: the batch over data x fsdp, features over tensor only; fsdp never splits a
+    # feature, so it moves weights, not activations.
+    "act_batch": ("data", "fsdp"),
+    "act_seq": (),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_head_dim": (),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_streams": (),
+}
+
+_TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("podtrain_tracing_mesh", default=None)
+
+
+def _placement(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh):
+    """(mesh axes per dimension, (dimension, name, size, axis) for each rule a dimension could not take)."""
+    used: set[str] = set()
+    placed, dropped = [], []
+    for i, (name, dim) in enumerate(zip(names, shape)):
+        axes = []
+        for axis in RULES.get(name, ()) if name else ():
+            if axis in used:
+                continue
+            if dim % (math.prod(mesh.shape[a] for a in axes) * mesh.shape[axis]) == 0:
+                axes.append(axis)
+            else:
+                dropped.append((i, name, dim, axis))
+        used.update(axes)
+        placed.append(tuple(axes))
+    return placed, dropped
+
+
+def logical_spec(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """Map logical axis names to mesh axes, keeping only mesh axes that divide the dimension.
+
+    A dimension too small for its mesh axes (4 kv heads on tensor=8, a batch of 1) is replicated
+    over them instead of failing, so one rules table serves every mesh (`replicated` lists where).
+    """
+    placed, _ = _placement(names, shape, mesh)
+    return PartitionSpec(*(axes if len(axes) > 1 else axes[0] if axes else None for axes in placed))
+
+
+def logical_sharding(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(names, shape, mesh))
+
+
+def replicated(named_shapes: dict[str, tuple[tuple, tuple]], mesh: Mesh) -> list[str]:
+    """Where the rules fell back to replication: 'NAME: NAME_AXIS of SIZE over AXIS=N' for each
+    array (by name: (logical names, shape)) whose dimension a mesh axis does not divide."""
+    found = []
+    for array, (names, shape) in named_shapes.items():
+        for _, name, dim, axis in _placement(names, shape, mesh)[1]:
+            found.append(f"{array}: {name} of {dim} over {axis}={mesh.shape[axis]}")
+    return found
+
+
+def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
+    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply."""
+
+    @functools.wraps(fn)
+    def on_mesh(*args, **kwargs):
+        token = _TRACING_MESH.set(mesh)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TRACING_MESH.reset(token)
+
+    return jax.jit(on_mesh, **jit_kwargs)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """Pin an activation's sharding by its logical axis names (a no-op outside `sharded_jit`)."""
+    mesh = _TRACING_MESH.get()
+    return x if mesh is None else jax.lax.with_sharding_constraint(x, logical_sharding(names, x.shape, mesh))
+
+
+def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
+    """fn run on each device's shard of arrays laid out by logical names (jax.shard_map), for
+    kernels XLA cannot partition (Pallas); fn itself outside `sharded_jit`."""
+    mesh = _TRACING_MESH.get()
+    if mesh is None:
+        return fn
+
+    def run(*arrays):
+        specs = tuple(logical_spec(names, x.shape, mesh) for names, x in zip(in_names, arrays))
+        out_spec = logical_spec(out_names, arrays[0].shape, mesh)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
+
+    return run
+
+
+def shards(name: str, size: int) -> int:
+    """Into how many pieces the rules split a dimension of `size` named `name` (1 outside `sharded_jit`)."""
+    mesh = _TRACING_MESH.get()
+    if mesh is None:
+        return 1
+    axes = logical_spec((name,), (size,), mesh)[0] or ()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
+    """Rows of a batch over (data, fsdp); `leading` unsharded axes come first (microbatches)."""
+    return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["act_batch"]))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in RULES["act_batch"])
+
+
+def shardings_of(abstract):
+    """The shardings of a tree of jax.ShapeDtypeStruct."""
+    return jax.tree.map(lambda s: s.sharding, abstract)

@@ -1,0 +1,147 @@
+"""The hooks of a training run: metrics, evaluation, checkpoints, divergence and stop requests.
+
+Each is a method taking the trainer's StepEnd; `TrainHooks.attach` registers them with their
+periods. They share the throughput window (compilation, evaluation and saves left out of it)
+and the last metrics, which `train` returns.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from podtrain.config.load import default_config
+from podtrain.config.schema import Config
+from podtrain.errors import Preempted, TrainingDiverged
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.job import Job
+from podtrain.train.metrics import MetricsLog
+from podtrain.train.preemption import StopRequests
+from podtrain.train.state import weights
+from podtrain.train.trainer import StepEnd, Trainer
+
+
+def divergence_hint(cfg: Config, latest: int | None) -> str:
+    """The likely cause, from how far the learning rate and warmup are from the model's defaults,
+    and what survives: the newest complete checkpoint, verified on resume or written from this
+    run's finite state (skipped updates never reach one)."""
+    t, usual = cfg.train, default_config(cfg.model.name).train
+    if t.lr > 3 * usual.lr:
+        cause = f"train.lr={t.lr:g} is {t.lr / usual.lr:,.0f}x this model's default ({usual.lr:g}): lower it"
+    elif t.warmup_steps < usual.warmup_steps / 2:
+        cause = (
+            f"train.warmup_steps={t.warmup_steps} is a short warmup (default {usual.warmup_steps}): "
+            f"raise it, or lower train.lr={t.lr:g}"
+        )
+    else:
+        cause = f"lower train.lr={t.lr:g} or raise train.warmup_steps={t.warmup_steps}"
+    kept = (
+        f"The checkpoint of step {latest} in {cfg.checkpoint_dir} is intact"
+        if latest is not None
+        else "No checkpoint had been written yet"
+    )
+    return f"Likely cause: {cause}. {kept}."
+
+
+def fmt_metrics(metrics: dict) -> str:
+    return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+
+
+class Throughput:
+    """The mean step time since the window opened; compilation, evaluation and saves stay out."""
+
+    def __init__(self, start: int):
+        self.first, self.clock = start, time.perf_counter()
+
+    def restart(self, done: int) -> None:
+        self.first, self.clock = done, time.perf_counter()
+
+    def step_time(self, done: int) -> float | None:
+        return (time.perf_counter() - self.clock) / (done - self.first) if done > self.first else None
+
+
+class TrainHooks:
+    def __init__(self, cfg: Config, job: Job, checkpointer: Checkpointer, log: MetricsLog, stop: StopRequests,
+                 progress, bar, peak_flops: float | None, start: int):  # fmt: skip
+        self.cfg, self.job, self.checkpointer, self.log, self.stop = cfg, job, checkpointer, log, stop
+        self.progress, self.bar, self.peak_flops, self.start = progress, bar, peak_flops, start
+        self.window = Throughput(start)
+        self.last: dict = {"step": start}
+        self.bad_run, self.previous = 0, None  # skipped updates in a row; the last step's flag, read a step late
+        self.saved = start
+        self.evals: dict = {}  # the last evaluation's metrics
+
+    def attach(self, trainer: Trainer) -> None:
+        t = self.cfg.train
+        trainer.add_hook(self.after_compile)
+        trainer.add_hook(self.divergence)
+        trainer.add_hook(self.write_metrics, t.log_every)
+        trainer.add_hook(self.evaluate, t.eval_every)
+        trainer.add_hook(self.save, self.cfg.checkpoint.every)
+        trainer.add_hook(self.advance_bar)
+        trainer.add_hook(self.stop_if_asked)
+
+    def after_compile(self, end: StepEnd) -> None:
+        """The first step compiles: leave it out of the throughput."""
+        if end.done == self.start + 1:
+            jax.block_until_ready(end.state)
+            self.window.restart(end.done)
+
+    def divergence(self, end: StepEnd) -> None:
+        """Stop after train.max_bad_steps skipped (non-finite) steps in a row. The flag of the step
+        before is read, so that reading it never waits for the step just dispatched."""
+        if self.previous is not None:
+            self.bad_run = self.bad_run + 1 if bool(self.previous) else 0
+            if self.bad_run >= self.cfg.train.max_bad_steps:
+                self.checkpointer.wait()
+                first, t = end.done - self.bad_run, self.cfg.train
+                raise TrainingDiverged(
+                    f"The loss or gradient norm was not finite at steps {first} to {end.done - 1} "
+                    f"(train.max_bad_steps={t.max_bad_steps} in a row); those updates were skipped. "
+                    f"{divergence_hint(self.cfg, self.checkpointer.latest_step())}"
+                )
+        self.previous = end.metrics["skipped"]
+
+    def write_metrics(self, end: StepEnd) -> None:
+        metrics = {k: float(v) for k, v in jax.device_get(end.metrics).items()}
+        step_time, job = self.window.step_time(end.done), self.job
+        tokens_per_sec = job.tokens_per_step / step_time if step_time else None
+        mfu = job.flops_per_step / step_time / self.peak_flops if step_time and self.peak_flops else None
+        epoch = job.task.batches.epoch(end.done - 1)
+        self.last = {
+            "step": end.done, "epoch": epoch, **metrics,
+            "tokens_per_sec": tokens_per_sec, "step_time": step_time, "mfu": mfu,
+        }  # fmt: skip
+        self.log.write(self.last)
+        rate = f"  {tokens_per_sec:,.0f} tok/s" if tokens_per_sec else ""
+        status = f"loss {metrics['loss']:.4f}{rate}" + (f"  mfu {mfu:.1%}" if mfu else "")
+        self.progress.update(self.bar, status=status)
+        self.progress.console.print(f"step {end.done:>6}  {fmt_metrics(metrics)}{rate}  epoch {epoch}")
+        self.window.restart(end.done)
+
+    def evaluate(self, end: StepEnd) -> None:
+        evals = self.job.evaluate(weights(end.state))
+        self.last.update(evals)
+        self.evals = evals
+        self.log.write({"step": end.done, **evals}, prefix="eval")
+        self.progress.console.print(f"step {end.done:>6}  {fmt_metrics(evals)}")
+        self.window.restart(end.done)
+
+    def save(self, end: StepEnd) -> None:
+        self.checkpointer.save(end.state)
+        self.saved = end.done
+        self.window.restart(end.done)
+
+    def advance_bar(self, end: StepEnd) -> None:
+        self.progress.update(self.bar, completed=end.done)
+
+    def stop_if_asked(self, end: StepEnd) -> None:
+        """On SIGTERM/SIGINT: save this step (written in full by the checkpointer's close) and exit 75."""
+        if self.stop.reached(end.done) and end.done < end.last:
+            if self.saved != end.done:
+                self.save(end)
+            raise Preempted(
+                f"stopped after step {end.done} and saved its checkpoint in {self.cfg.checkpoint_dir}; "
+                "run the same command again to continue."
+            )

@@ -1,0 +1,100 @@
+"""A run directory, and a run opened on this machine.
+
+RUN_DIR holds everything of one training run: config.yaml (the config it trains with),
+tokenizer/ (a copy of a text run's tokenizer, for generate and export), checkpoints/ (unless
+checkpoint.dir puts them elsewhere), metrics.jsonl, TensorBoard events and logs/. `train`,
+`generate`, `convert`, `checkpoints` and `plot` all reach a run through `Run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from podtrain import runtime
+from podtrain.config.load import resolve_auto, run_config, save_config
+from podtrain.config.schema import Config, MeshConfig
+from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
+from podtrain.errors import ConfigError, DataError
+from podtrain.models import family
+from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.state import ModelFns, model_fns
+from podtrain.train.tasks.language import LanguageTask
+
+
+def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
+    """Start the runtime (processes, devices, mesh) and resolve the config's `auto` values for it."""
+    rt = runtime.start(cfg, announce)
+    return rt, resolve_auto(cfg, rt.platform)
+
+
+@dataclass
+class Run:
+    dir: Path
+    cfg: Config
+
+    TOKENIZER = "tokenizer"
+
+    @classmethod
+    def of(cls, cfg: Config) -> Run:
+        """The run a config trains into (it may not exist yet)."""
+        return cls(Path(cfg.run_dir), cfg)
+
+    @classmethod
+    def at(cls, run_dir: str | Path) -> Run:
+        """An existing run, with the config it was trained with."""
+        return cls(Path(run_dir), run_config(run_dir))
+
+    @property
+    def exists(self) -> bool:
+        return (self.dir / "config.yaml").is_file()
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """RUN_DIR/checkpoints, wherever the run has been moved or copied to, or the
+        `checkpoint.dir` it was told to write elsewhere (a string: gs:// paths stay as they are)."""
+        inside = self.dir / "checkpoints"
+        return str(inside) if inside.is_dir() or not self.cfg.checkpoint.dir else self.cfg.checkpoint.dir
+
+    def checkpointer(self) -> Checkpointer:
+        c = self.cfg.checkpoint
+        return Checkpointer(self.checkpoint_dir, c.keep, c.async_save)
+
+    def tokenizer(self):
+        """The tokenizer the run trained with: its kept copy, or bytes."""
+        kept = self.dir / self.TOKENIZER
+        return load_tokenizer(str(kept) if kept.is_dir() else BYTES)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """A resumed run must keep the tokenizer its embeddings were trained on."""
+        if self.exists and (before := self.tokenizer().identity) != tokenizer.identity:
+            raise DataError(
+                f"{self.dir} was trained with another tokenizer (sha256 {before[:12]}) than this data's "
+                f"({tokenizer.spec}, {tokenizer.identity[:12]}); its embeddings would read the wrong tokens. "
+                "Use data prepared with the run's tokenizer, or a new run_dir."
+            )
+
+    def keep(self, cfg: Config, tokenizer=None) -> None:
+        """Write config.yaml and a copy of the tokenizer (process 0 only)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.dir / "config.yaml")
+        if tokenizer is not None and tokenizer.file:
+            keep_tokenizer(tokenizer, self.dir / self.TOKENIZER)
+
+    def language_model(self) -> tuple[Config, ModelFns, object]:
+        """(config, model functions, weights) of the latest checkpoint (its EMA where it kept one),
+        on this machine's devices with the params replicated, for generate and export."""
+        if family(self.cfg.model).task is not LanguageTask:
+            raise ConfigError(
+                f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
+                "take a language model (llama, mhc)."
+            )
+        cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
+        rt, cfg = on_this_machine(cfg, announce=False)
+        fns = model_fns(cfg, rt.mesh)
+        checkpointer = Checkpointer(self.checkpoint_dir)
+        try:
+            return cfg, fns, checkpointer.restore_weights(fns.abstract_params)
+        finally:
+            checkpointer.close()

@@ -1,0 +1,80 @@
+"""The package's layout: an import graph without cycles (imports inside functions included), a
+config schema that loads nothing of podtrain but its errors, and models that know no mesh."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "podtrain"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the podtrain modules it imports anywhere in its file (a package's __init__ counts
+    for every module below it, as Python runs it first)."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("podtrain"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name.startswith("podtrain"))
+        for target in list(edges):  # importing a.b.c runs a and a.b first
+            parts = target.split(".")
+            edges.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        graph[name] = {e for e in edges if e in modules and e != name and not name.startswith(e + ".")}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 30 and graph["podtrain.train.loop"], "the graph should see the whole package"
+    found = cycle(graph)
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_schema_loads_nothing_of_podtrain_but_errors():
+    code = "import sys, podtrain.config.schema; print(sorted(m for m in sys.modules if m.startswith(('podtrain', 'jax', 'flax'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(loaded) == ["podtrain", "podtrain.config", "podtrain.config.schema", "podtrain.errors"]
+
+
+def test_models_and_tasks_know_no_mesh_but_the_sharding_module():
+    graph = import_graph()
+    for name in graph:
+        if name.startswith(("podtrain.models", "podtrain.train.tasks", "podtrain.sharding")):
+            wrong = {e for e in graph[name] if e.startswith(("podtrain.runtime", "podtrain.config.load"))}
+            assert not wrong, f"{name} imports {wrong}"
