@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 
@@ -27,53 +28,6 @@ def _doctor(args) -> None:
     from podtrain.tools.doctor import doctor
 
     doctor(_config(args))
-
-
-def _sudoku(args) -> None:
-    from podtrain.data import sudoku
-
-    meta = sudoku.build(
-        args.out, args.source, args.train, args.test, args.givens, args.min_rating, args.augment, args.seed, args.csv
-    )
-    print(f"[podtrain] wrote {meta['train']:,} train and {meta['test']:,} test puzzles ({args.source}) to {args.out}")
-
-
-def _corpus(args):
-    from podtrain.data.sources import Corpus
-
-    return [Corpus(path, args.text_field, args.dataset_name, args.split) for path in args.input]
-
-
-def _tokenizer(args) -> None:
-    import itertools
-
-    from podtrain.data.tokenizer import fit_bpe
-
-    documents = itertools.chain.from_iterable(corpus.documents() for corpus in _corpus(args))
-    tokenizer = fit_bpe(itertools.islice(documents, args.max_documents), args.vocab_size, args.out)
-    print(
-        f"[podtrain] wrote {args.out}/tokenizer.json: byte-level BPE, {tokenizer.vocab_size:,} tokens, EOS {tokenizer.eos_id}"
-    )
-
-
-def _prepare(args) -> None:
-    import os
-
-    if args.workers:  # the batch encoder's thread pool, sized before the library starts it
-        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
-    from podtrain.data.prepare import prepare
-    from podtrain.data.tokenizer import load_tokenizer
-
-    if len(args.input) != 1:
-        raise ConfigError(
-            "data prepare reads one --input (a file, a folder or a hub dataset); put several files in one folder."
-        )
-    m = prepare(_corpus(args)[0], load_tokenizer(args.tokenizer), args.out, args.val_fraction, args.shard_docs)
-    rate = f", {m['tokens_per_sec']:,.0f} tokens/s" if m.get("tokens_per_sec") else ""
-    print(
-        f"[podtrain] {args.out}: {m['documents']:,} documents, {m['train_tokens']:,} train and {m['val_tokens']:,} val tokens in {len(m['shards'])} shards{rate}. "
-        f"Train with data.source=tokens data.path={args.out} model.vocab_size=auto"
-    )
 
 
 def _launch(args) -> int:
@@ -123,8 +77,10 @@ def _convert(args) -> None:
         source, run_dir = args.from_hf
         cfg, seconds = import_hf(source, run_dir, args.overrides)
         print(
-            f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
-            f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, sample with `podtrain generate {run_dir}`."
+            f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model "
+            f"{cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
+            f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, "
+            f"sample with `podtrain generate {run_dir}`."
         )
     else:
         if args.overrides:
@@ -134,7 +90,8 @@ def _convert(args) -> None:
         run_dir, out = args.to_hf
         files = export_hf(run_dir, out, args.dtype)
         print(
-            f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with transformers.AutoModelForCausalLM.from_pretrained({out!r})."
+            f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with "
+            f"transformers.AutoModelForCausalLM.from_pretrained({out!r})."
         )
 
 
@@ -208,7 +165,10 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="train (or resume) a model",
-        description="Train from CONFIG.yaml (default: the embedded tiny job) with key=value overrides, e.g. train.steps=100 mesh.fsdp=2.",
+        description=(
+            "Train from CONFIG.yaml (default: the embedded tiny job) with key=value overrides, e.g. train.steps=100 "
+            "mesh.fsdp=2."
+        ),
     )
     t.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
@@ -222,89 +182,16 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     d.set_defaults(func=_doctor)
 
-    da = sub.add_parser("data", help="build datasets")
-    kinds = da.add_subparsers(dest="dataset", required=True)
-    su = kinds.add_parser(
-        "sudoku", help="Sudoku train/test sets: generated offline, or Sudoku-Extreme from the HF hub or local CSVs"
-    )
-    su.add_argument("--out", required=True, help="output folder (train.npz, test.npz, meta.json)")
-    su.add_argument(
-        "--source",
-        choices=("generate", "hub", "csv"),
-        default="generate",
-        help="generate puzzles here (default), download sapientinc/sudoku-extreme, or read --csv",
-    )
-    su.add_argument("--csv", help="folder with train.csv and test.csv in the Sudoku-Extreme format (for --source csv)")
-    su.add_argument("--train", type=int, default=1000, help="training puzzles before augmentation")
-    su.add_argument("--test", type=int, default=200, help="test puzzles")
-    su.add_argument(
-        "--givens", type=int, default=30, help="clues per generated puzzle (more is easier; unique puzzles need >= 17)"
-    )
-    su.add_argument(
-        "--min-rating", type=int, default=0, help="keep puzzles whose solver backtracks at least this often (harder)"
-    )
-    su.add_argument("--augment", type=int, default=0, help="augmented copies of each training puzzle")
-    su.add_argument("--seed", type=int, default=0)
-    su.set_defaults(func=_sudoku)
-
-    def corpus_options(command, many: bool):
-        command.add_argument(
-            "--input",
-            required=True,
-            nargs="+" if many else 1,
-            help="corpus: .txt/.md/.jsonl/.json/.parquet files or folders, a `datasets.save_to_disk` folder, or a hub dataset name",
-        )
-        command.add_argument(
-            "--text-field", default="text", help="the field (JSON) or column (Parquet, datasets) holding the text"
-        )
-        command.add_argument(
-            "--dataset-name",
-            help="the config of a hub dataset (e.g. cosmopedia-v2); with a local folder, read it as a hub dataset's layout",
-        )
-        command.add_argument("--split", default="train", help="the split of a hub or saved dataset")
-
-    to = kinds.add_parser(
-        "tokenizer",
-        help="fit a byte-level BPE tokenizer on a local corpus",
-        description="Writes OUT/tokenizer.json and tokenizer_config.json, which `data.tokenizer=OUT` and transformers.AutoTokenizer load.",
-    )
-    corpus_options(to, many=True)
-    to.add_argument(
-        "--vocab-size",
-        type=int,
-        required=True,
-        help="tokens in the vocabulary, including the 256 bytes and <|endoftext|>",
-    )
-    to.add_argument("--max-documents", type=int, help="fit on at most this many documents (the first ones)")
-    to.add_argument("--out", required=True, help="output folder")
-    to.set_defaults(func=_tokenizer)
-
-    pr = kinds.add_parser(
-        "prepare",
-        help="tokenize a corpus once into shards for data.source=tokens",
-        description="Tokenize a corpus into memory-mapped token shards and a manifest.json; an interrupted prepare continues where it stopped when rerun.",
-    )
-    corpus_options(pr, many=False)
-    pr.add_argument(
-        "--tokenizer",
-        required=True,
-        help="a folder with tokenizer.json (from `podtrain data tokenizer`) or a hub model's name (e.g. HuggingFaceTB/SmolLM-360M)",
-    )
-    pr.add_argument("--out", required=True, help="output folder")
-    pr.add_argument(
-        "--val-fraction", type=float, default=0.01, help="fraction of documents for validation (default 0.01)"
-    )
-    pr.add_argument("--workers", type=int, default=0, help="threads of the batch encoder (default: one per core)")
-    pr.add_argument(
-        "--shard-docs", type=int, default=20_000, help="documents per shard: the unit an interrupted prepare keeps"
-    )
-    pr.set_defaults(func=_prepare)
+    add_data_commands(sub)
 
     la = sub.add_parser(
         "launch",
         help="run a command as several processes of one job on this machine",
-        description="Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with the variables that join them; "
-        "stream their output with a rank prefix; stop them all if one fails.",
+        description=(
+            "Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with "
+            "the variables that join them; "
+            "stream their output with a rank prefix; stop them all if one fails."
+        ),
     )
     la.add_argument("--nproc", type=int, required=True, help="processes on this node")
     la.add_argument(
@@ -338,8 +225,11 @@ def parser() -> argparse.ArgumentParser:
     cv = sub.add_parser(
         "convert",
         help="import a Hugging Face Llama checkpoint as a run directory, or export a run to one",
-        description="--from-hf SRC RUN_DIR [key=value ...]: SRC is a folder with config.json and *.safetensors or a hub name; "
-        "RUN_DIR gets config.yaml, the tokenizer and a step-0 checkpoint of the weights. --to-hf RUN_DIR OUT_DIR: what transformers' from_pretrained loads.",
+        description=(
+            "--from-hf SRC RUN_DIR [key=value ...]: SRC is a folder with config.json and *.safetensors or a hub name; "
+            "RUN_DIR gets config.yaml, the tokenizer and a step-0 checkpoint of the weights. --to-hf RUN_DIR OUT_DIR: "
+            "what transformers' from_pretrained loads."
+        ),
     )
     way = cv.add_mutually_exclusive_group(required=True)
     way.add_argument("--from-hf", nargs=2, metavar=("SRC", "RUN_DIR"))
@@ -354,16 +244,26 @@ def parser() -> argparse.ArgumentParser:
 
     pn = sub.add_parser(
         "plan",
-        help="compile the train step for the target hardware: memory per device, FLOPs, collectives, predicted step time; exit 3 if it does not fit",
-        description="Compile CONFIG's train step ahead of time for --target (no weights, no data, no accelerator needed) and report whether it fits, "
-        "its collectives and a roofline step time. A job that does not fit gets the smallest change that does (exit 3).",
+        help=(
+            "compile the train step for the target hardware: memory per device, FLOPs, collectives, predicted step "
+            "time; exit 3 if it does not fit"
+        ),
+        description=(
+            "Compile CONFIG's train step ahead of time for --target (no weights, no data, no accelerator needed) and "
+            "report whether it fits, "
+            "its collectives and a roofline step time. A job that does not fit gets the smallest change that does "
+            "(exit 3)."
+        ),
     )
     pn.add_argument("config", nargs="?", help="YAML config file (see configs/)")
     pn.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     pn.add_argument(
         "--target",
         required=True,
-        help="v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 (estimates), cpu:N",
+        help=(
+            "v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 "
+            "(estimates), cpu:N"
+        ),
     )
     pn.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     pn.add_argument(
