@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint format clean
+.PHONY: train test lint format docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format podtrain tests bench
 	$(VENV)/bin/ruff check --fix podtrain tests bench
+
+# docs/configuration.md from the config schema; tests/test_docs.py fails when it is stale.
+docs: $(STAMP)
+	$(VENV)/bin/python -m podtrain.tools.config_docs > docs/configuration.md.tmp \
+		&& mv docs/configuration.md.tmp docs/configuration.md || { rm -f docs/configuration.md.tmp; exit 1; }
 
 clean:
 	rm -rf $(VENV) runs

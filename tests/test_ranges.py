@@ -1,8 +1,6 @@
 """Every numeric key is checked against its valid range when the config loads, before any device,
-data or compile; a value of the wrong structure names its key; the README shows the same ranges."""
-
-import re
-from pathlib import Path
+data or compile; a value of the wrong structure names its key. (tests/test_docs.py checks that
+docs/configuration.md shows the same ranges.)"""
 
 import pytest
 from podtrain.cli import main
@@ -11,7 +9,6 @@ from podtrain.config.schema import Range, leaves, ranges
 from podtrain.train.hooks import divergence_hint
 
 FAMILIES = ("llama", "mhc", "hrm", "trm")
-README = Path(__file__).parent.parent / "README.md"
 
 
 @pytest.mark.parametrize(
@@ -85,30 +82,6 @@ def test_every_numeric_key_of_every_family_has_a_range():
         }
         assert numeric == ranged, (name, numeric ^ ranged)
         assert all(value in valid for _, valid, value in ranges(cfg)), name  # the defaults are valid
-
-
-def readme_ranges() -> dict[str, str]:
-    """key -> valid column of the README's key tables (rows may list several keys, ranges split by '; ')."""
-    found, text = {}, README.read_text()
-    section = text[text.index("## Configuration") : text.index("## Hardware and the mesh")]
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
-        if len(cells) < 4 or not cells[0].startswith("`"):
-            continue
-        family_table = re.fullmatch(r"(`(llama|mhc|hrm|trm)`(, )?)+", cells[0]) is not None
-        keys_cell, valid_cell = (cells[1], cells[3]) if family_table else (cells[0], cells[2])
-        keys = re.findall(r"`([\w.]+)`", keys_cell)
-        for key, valid in zip(keys, valid_cell.split("; "), strict=True):
-            found[key] = valid
-    return found
-
-
-def test_readme_shows_each_keys_range():
-    documented = readme_ranges()
-    for name in FAMILIES:
-        for key, valid, _ in ranges(default_config(name)):
-            assert documented.get(key) == str(valid), key
-    assert documented["model.name"] == "-" and documented["train.lr"] == "> 0"
 
 
 def test_divergence_names_the_likely_cause_and_only_a_real_checkpoint():
