@@ -117,7 +117,7 @@ def _plan(args) -> int:
         print(plan.sweep_table(plan.sweep(cfg, target)))
         return 0
     result = plan.plan(cfg, target)
-    print(json.dumps(plan.as_json(result), indent=2) if args.json else plan.report(result))
+    print(json.dumps(plan.as_json(result, args.top), indent=2) if args.json else plan.report(result, args.top))
     return 0 if result.fits else 3
 
 
@@ -264,6 +264,13 @@ def parser() -> argparse.ArgumentParser:
             "v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 "
             "(estimates), cpu:N"
         ),
+    )
+    pn.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N operations of the compiled step that move the most bytes and do the most FLOPs",
     )
     pn.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     pn.add_argument(

@@ -41,6 +41,9 @@ _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_FRAME = re.compile(r"\bstack_frame_id=(\d+)")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_SECTION_ROW = re.compile(r"^(\d+) (.*)$")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(([^()]*)\)")
 # Operations that move no data of their own: they name, alias or control.
@@ -83,6 +86,9 @@ def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     """The instruction lines of each computation, and the entry computation's name."""
     bodies, name, entry = {}, None, None
     for line in hlo.splitlines():
+        if line[:1].isdigit() or line.strip() in _TABLES:  # the stack-frame tables (`_stack_frames`)
+            name = None
+            continue
         header = _HEADER.match(line)
         if header and not line.startswith(" "):
             name = header.group(1)
@@ -227,30 +233,37 @@ def _convolution_macs(line: str, lhs: tuple, rhs: tuple, out: tuple) -> int:
     return macs
 
 
+def _matmul_macs(line: str, op: str, operands: list[str], result: str, shapes: dict) -> int:
+    """Multiply-adds of a dot or convolution instruction (0 for any other)."""
+    if op == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        reduced = math.prod(shapes[operands[0]][int(d)] for d in _dims(contracting.group(1))) if contracting else 1
+        return math.prod(shapes[result]) * reduced
+    if op == "convolution":
+        return _convolution_macs(line, shapes[operands[0]], shapes[operands[1]], shapes[result])
+    return 0
+
+
+def _shape_of(type_text: str) -> tuple[int, ...]:
+    arrays = _ARRAY.findall(type_text)
+    return _dims(arrays[0][1]) if len(arrays) == 1 else ()
+
+
+def _computation_flops(lines: list[str]) -> int:
+    """Matmul FLOPs of one run of a computation's own instructions (2 per multiply-add)."""
+    shapes, total = {}, 0
+    for line, result, type_text, op, operands in _operations(lines):
+        shapes[result] = _shape_of(type_text)
+        total += 2 * _matmul_macs(line, op, operands, result, shapes)
+    return total
+
+
 def matmul_flops(hlo: str) -> int:
     """FLOPs of the dots and convolutions of one run of the program (2 per multiply-add), every
     instruction counted as often as it runs: the matmuls a device really does, remat included."""
     bodies, entry = _computations(hlo)
     times = _multipliers(bodies, entry)
-    total = 0
-    for name, lines in bodies.items():
-        if not times.get(name):
-            continue
-        shapes = {}
-        for line, result, type_text, op, operands in _operations(lines):
-            arrays = _ARRAY.findall(type_text)
-            shapes[result] = _dims(arrays[0][1]) if len(arrays) == 1 else ()
-            if op == "dot":
-                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
-                macs = math.prod(shapes[result]) * (
-                    math.prod(shapes[operands[0]][int(d)] for d in _dims(contracting.group(1))) if contracting else 1
-                )
-            elif op == "convolution":
-                macs = _convolution_macs(line, shapes[operands[0]], shapes[operands[1]], shapes[result])
-            else:
-                continue
-            total += 2 * macs * times[name]
-    return total
+    return sum(_computation_flops(lines) * times[name] for name, lines in bodies.items() if times.get(name))
 
 
 def _bytes(type_text: str) -> int:
@@ -292,30 +305,95 @@ def _accesses(lines: list[str], operand_sizes: list[int], result_size: int) -> i
     return sum(read.values()) + written
 
 
-def memory_traffic(hlo: str) -> int:
-    """Bytes of device memory one run of the program reads and writes: each top-level operation
-    (a fusion is one) reads its operands and writes its result, once per loop iteration, as
-    XLA's cost analysis counts them; what happens inside a fusion stays on chip."""
-    bodies, entry = _computations(hlo)
+@dataclass(frozen=True)
+class Operation:
+    """A top-level operation of the compiled program (a fusion counts as one), per step."""
 
-    def visit(name: str) -> int:
-        sizes, total = {}, 0
+    name: str  # the instruction's name in the HLO
+    op: str  # its opcode: fusion, copy, all-gather, ...
+    shape: str  # its result type, e.g. bf16[8,2048,4096]
+    source: str  # file:line of the code it was made from (its op metadata), or ""
+    bytes: int  # device memory it reads and writes, loop iterations included
+    flops: int  # matmul FLOPs inside it, loop iterations included
+
+
+def _stack_frames(hlo: str) -> dict[str, str]:
+    """Stack frame id -> "file.py:line" of the code that made an instruction, from the tables that
+    close the HLO text (FileNames, FunctionNames, FileLocations, StackFrames)."""
+    tables: dict[str, dict[str, str]] = {}
+    section = None
+    for line in hlo.splitlines():
+        if line.strip() in _TABLES:
+            section = tables.setdefault(line.strip(), {})
+        elif section is not None and (row := _SECTION_ROW.match(line)):
+            section[row.group(1)] = row.group(2)
+        else:
+            section = None
+    files, frames = tables.get("FileNames", {}), {}
+    for frame, text in tables.get("StackFrames", {}).items():
+        location = tables.get("FileLocations", {}).get(re.search(r"file_location_id=(\d+)", text).group(1), "")
+        file, line = re.search(r"file_name_id=(\d+)", location), re.search(r"\bline=(\d+)", location)
+        if file and line:
+            name = files.get(file.group(1), "?").strip('"').rsplit("/", 1)[-1]
+            frames[frame] = f"{name}:{line.group(1)}"
+    return frames
+
+
+def _source(frames: dict[str, str], line: str, body: list[str] = ()) -> str:
+    """Where an instruction comes from: its own stack frame, else the first of its body's."""
+    for text in (line, *body):
+        if (frame := _FRAME.search(text)) and frame.group(1) in frames:
+            return frames[frame.group(1)]
+    return ""
+
+
+def operations(hlo: str) -> list[Operation]:
+    """Every top-level operation of one run of the program with the bytes it moves: each reads
+    its operands and writes its result (a fusion as its body sees them), once per loop
+    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip."""
+    bodies, entry = _computations(hlo)
+    frames, found = _stack_frames(hlo), []
+
+    def visit(name: str, times: int) -> None:
+        sizes, shapes = {}, {}
         for line, result, type_text, op, operands in _operations(bodies.get(name, ())):
             sizes[result] = size = _bytes(type_text)
+            shapes[result] = _shape_of(type_text)
+            called = bodies.get(m.group(1), ()) if (m := re.search(r"\bcalls=%?([\w.\-]+)", line)) else ()
             if op == "while":
-                total += _trip_count(line, bodies) * visit(_BODY.search(line).group(1))
-            elif op in ("call", "conditional"):
-                total += sum(visit(c) for c in _callees(line))
-            elif op == "fusion":
-                total += _accesses(
-                    bodies[re.search(r"\bcalls=%?([\w.\-]+)", line).group(1)], [sizes.get(o, 0) for o in operands], size
-                )
+                visit(_BODY.search(line).group(1), times * _trip_count(line, bodies))
+                continue
+            if op in ("call", "conditional"):
+                for callee in _callees(line):
+                    visit(callee, times)
+                continue
+            if op == "fusion":
+                moved = _accesses(called, [sizes.get(o, 0) for o in operands], size)
             elif op in _SLICES:
-                total += 2 * size
+                moved = 2 * size
             elif op == "dynamic-update-slice":
-                total += 2 * sizes.get(operands[1], 0)
-            elif op not in _NO_TRAFFIC:
-                total += size + sum(sizes.get(o, 0) for o in operands)
-        return total
+                moved = 2 * sizes.get(operands[1], 0)
+            elif op in _NO_TRAFFIC:
+                moved = 0
+            else:
+                moved = size + sum(sizes.get(o, 0) for o in operands)
+            if op == "fusion":
+                flops = _computation_flops(called)
+            else:
+                flops = 2 * _matmul_macs(line, op, operands, result, shapes)
+            if moved or flops:
+                shape = type_text.strip()
+                found.append(Operation(result, op, shape, _source(frames, line, called), moved * times, flops * times))
 
-    return visit(entry)
+    visit(entry, 1)
+    return found
+
+
+def memory_traffic(hlo: str) -> int:
+    """Bytes of device memory one run of the program reads and writes (see `operations`)."""
+    return sum(o.bytes for o in operations(hlo))
+
+
+def top(found: list[Operation], n: int, by: str) -> list[Operation]:
+    """The n operations that move the most bytes (by="bytes") or do the most FLOPs (by="flops")."""
+    return sorted((o for o in found if getattr(o, by)), key=lambda o: -getattr(o, by))[:n]

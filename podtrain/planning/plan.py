@@ -31,6 +31,7 @@ from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
 from podtrain.train.job import build
 
+TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`
 RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
 
 
@@ -48,6 +49,8 @@ class Plan:
     collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
+    top_bytes: list[hlo.Operation] = field(default_factory=list)  # the operations moving the most bytes
+    top_flops: list[hlo.Operation] = field(default_factory=list)  # the operations doing the most FLOPs
     remedy: dict | None = None  # the smallest change that fits, when this does not
     remedy_plan: Plan | None = None
 
@@ -125,7 +128,9 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.matmul_flops = float(hlo.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives = hlo.summary(found)
-        result.traffic = float(hlo.memory_traffic(text))
+        ops = hlo.operations(text)
+        result.traffic = float(sum(o.bytes for o in ops))
+        result.top_bytes, result.top_flops = hlo.top(ops, TOP_KEPT, "bytes"), hlo.top(ops, TOP_KEPT, "flops")
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
     if remedy and not memory.fits:
         result.remedy, result.remedy_plan = fit.smallest_fix(cfg, n, lambda c: plan(c, target, remedy=False))
@@ -158,7 +163,11 @@ def _rank(row: tuple) -> tuple:
     return (2, 0.0) if isinstance(p, str) else (0 if p.fits else 1, -(p.tokens_per_sec or 0.0))
 
 
-def as_json(p: Plan) -> dict:
+def _op_json(o: hlo.Operation) -> dict:
+    return {"name": o.name, "op": o.op, "shape": o.shape, "source": o.source, "bytes": o.bytes, "flops": o.flops}
+
+
+def as_json(p: Plan, top: int = 0) -> dict:
     m = p.memory
     out = {
         "target": p.target.name,
@@ -189,6 +198,9 @@ def as_json(p: Plan) -> dict:
         "mfu": p.mfu,
         "compile_s": p.compile_s,
     }
+    if top:
+        out["top_bytes"] = [_op_json(o) for o in p.top_bytes[:top]]
+        out["top_flops"] = [_op_json(o) for o in p.top_flops[:top]]
     if not p.fits:
         out["remedy"] = fit.describe(p.remedy) if p.remedy else None
         out["advice"] = fit.advice(m, len(p.target.devices), p.remedy)
@@ -207,7 +219,25 @@ def _speed(p: Plan) -> str:
     return f"step {p.step_time * 1e3:,.1f} ms ({bound}-bound), {p.tokens_per_sec:,.0f} tokens/s, MFU {p.mfu:.1%}"
 
 
-def report(p: Plan) -> str:
+def top_table(p: Plan, n: int) -> list[str]:
+    """The n operations of the step moving the most bytes, then the n doing the most FLOPs: their
+    share of the step's, the model code they come from, and the HLO instruction's name."""
+    lines = []
+    for title, ops, total in (("bytes", p.top_bytes[:n], p.traffic), ("flops", p.top_flops[:n], p.matmul_flops)):
+        lines.append(
+            f"top {title:<8}{'share':>6}  {'per step':>10}  {'source':<22} {'op':<13} {'result':<28} instruction"
+        )
+        for o in ops:
+            amount = getattr(o, title)
+            shape = o.shape.split("{")[0]  # without the layout
+            shape = shape if len(shape) <= 28 else shape[:25] + "..."
+            size = _gib(amount) if title == "bytes" else f"{amount:.3g}"
+            share = amount / total if total else 0
+            lines.append(f"{'':12}{share:>6.1%}  {size:>10}  {o.source or '-':<22} {o.op:<13} {shape:<28} {o.name}")
+    return lines
+
+
+def report(p: Plan, top: int = 0) -> str:
     """The plan as a user reads it."""
     m, c = p.memory, p.cfg
     lines = [
@@ -236,6 +266,8 @@ def report(p: Plan) -> str:
     ]
     if p.times:
         lines.append("roofline    " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in p.times.items() if k != "step"))
+    if top:
+        lines += top_table(p, top)
     if not p.fits:
         lines.append(f"remedy      {fit.advice(m, len(p.target.devices), p.remedy)}")
         if p.remedy_plan:
