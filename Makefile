@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/podtrain train $(ARGS)
 
+# Two workers: compiling is mostly single-threaded, so a 2-core machine runs two test files at once.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 

@@ -127,7 +127,7 @@ def test_trained_model_exports_to_transformers(tmp_path, small_overrides, monkey
             ],
         )
     )
-    monkeypatch.setattr("podtrain.train.hf.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
+    monkeypatch.setattr("podtrain.interop.hf.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert (
         len(list((tmp_path / "out").glob("model-0000?-of-0000?.safetensors"))) > 1
