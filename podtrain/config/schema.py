@@ -84,8 +84,10 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = key(
         "auto", "matmul and activation dtype (auto: bfloat16 on GPU/TPU, float32 on CPU); params stay float32"
     )
-    attention: Literal["auto", "xla", "cudnn", "splash"] = key(
-        "auto", "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
+    attention: Literal["auto", "xla", "cudnn", "splash", "cudnn_estimate"] = key(
+        "auto",
+        "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise); cudnn_estimate: "
+        "cuDNN's memory and traffic in a GPU plan compiled on a CPU (plans only)",
     )
 
     def validate(self) -> None:

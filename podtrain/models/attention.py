@@ -123,6 +123,44 @@ def splash_attention(
     return per_shard(local, (HEADS,) * 3, HEADS)(q_BTNH, k_BTNH, v_BTNH)
 
 
+def _not_run(*_):
+    raise RuntimeError(
+        "model.attention=cudnn_estimate only stands in for cuDNN's kernel in a plan; it computes nothing"
+    )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_stand_in(q_BTNH, k_BTKH, v_BTKH, causal):
+    return _stand_in_fwd(q_BTNH, k_BTKH, v_BTKH, causal)[0]
+
+
+def _stand_in_fwd(q_BTNH, k_BTKH, v_BTKH, causal):
+    b, t, n, _ = q_BTNH.shape
+    shapes = (jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
+    out, lse = jax.pure_callback(_not_run, shapes, q_BTNH, k_BTKH, v_BTKH)
+    return out, (q_BTNH, k_BTKH, v_BTKH, out, lse)
+
+
+def _stand_in_bwd(causal, residuals, d_out):
+    q, k, v, out, lse = residuals
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return jax.pure_callback(_not_run, shapes, q, k, v, out, lse, d_out)
+
+
+_fused_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)
+
+
+def fused_attention_stand_in(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True):
+    """What a fused attention kernel (cuDNN's, FlashAttention) holds and moves, for a GPU plan
+    compiled on a CPU: forward, it reads q, k, v and writes the output and its softmax statistics
+    (batch, heads, seq) in float32; backward, it reads those with the output's gradient and writes
+    the gradients of q, k and v. No (seq, seq) scores exist, as in the kernel. Host callbacks that
+    are compiled, never run, stand for its two passes, per device shard; its FLOPs are the
+    model's (the plan's compute time takes at least those)."""
+    run = per_shard(lambda q, k, v: _fused_stand_in(q, k, v, causal), (HEADS, KV_HEADS, KV_HEADS), HEADS)
+    return run(q_BTNH, k_BTKH, v_BTKH)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
     n_heads query heads."""
@@ -179,6 +217,8 @@ class Attention(nnx.Module):
         q, k, v = self.project(x_BTD, rope)
         if self.implementation == "splash":
             out = splash_attention(q, k, v, self.causal)
+        elif self.implementation == "cudnn_estimate":
+            out = fused_attention_stand_in(q, k, v, self.causal)
         elif self.implementation == "cudnn":
             out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation="cudnn")
         else:

@@ -94,11 +94,12 @@ def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: 
 
 
 def for_target(cfg: Config, target: Target) -> Config:
-    """`auto` settings as the target's platform takes them; the estimate for a GPU compiles on
-    the CPU, where XLA's attention stands in for cuDNN's."""
+    """`auto` settings as the target's platform takes them. The estimate for a GPU compiles on
+    the CPU, where a stand-in of cuDNN's fused attention (its inputs, outputs and softmax
+    statistics; no scores) takes the kernel's place."""
     cfg = resolve_auto(cfg, target.platform)
     if target.estimate and cfg.model.attention == "cudnn":
-        cfg = fit.changed(cfg, {"model.attention": "xla"})
+        cfg = fit.changed(cfg, {"model.attention": "cudnn_estimate"})
     return cfg
 
 
@@ -176,6 +177,7 @@ def as_json(p: Plan, top: int = 0) -> dict:
         "devices": len(p.target.devices),
         "mesh": dict(zip(("data", "fsdp", "tensor"), p.mesh)),
         "remat": p.cfg.model.remat,
+        "attention": p.cfg.model.attention,
         "grad_accum": p.cfg.train.grad_accum,
         "fits": p.fits,
         "bytes_per_device": {
@@ -242,7 +244,8 @@ def report(p: Plan, top: int = 0) -> str:
     m, c = p.memory, p.cfg
     lines = [
         f"target      {p.target.label}",
-        f"job         {c.model.name}, {c.model.compute_dtype} compute, remat {c.model.remat}, batch "
+        f"job         {c.model.name}, {c.model.compute_dtype} compute, {c.model.attention} attention, "
+        f"remat {c.model.remat}, batch "
         f"{c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} (grad_accum {c.train.grad_accum}), "
         f"mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
         f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} "

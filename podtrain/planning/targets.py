@@ -38,7 +38,7 @@ class Target:
     @property
     def label(self) -> str:
         how = (
-            "estimated on fake CPU devices, not compiled for the GPU"
+            "estimated on fake CPU devices, not compiled for the GPU; cuDNN's attention by a stand-in of its memory"
             if self.estimate
             else f"compiled for the {self.platform.upper()}"
         )

@@ -25,6 +25,11 @@ from podtrain.train.tasks.language import LanguageTask
 
 def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
     """Start the runtime (processes, devices, mesh) and resolve the config's `auto` values for it."""
+    if cfg.model.attention == "cudnn_estimate":
+        raise ConfigError(
+            "model.attention=cudnn_estimate stands in for cuDNN's attention in GPU plans and computes nothing; "
+            "use model.attention=cudnn (or auto) to run."
+        )
     rt = runtime.start(cfg, announce)
     return rt, resolve_auto(cfg, rt.platform)
 

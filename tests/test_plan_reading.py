@@ -1,0 +1,76 @@
+"""Reading a plan: `plan --top N` (the compiled step's operations that move the most bytes and do
+the most FLOPs, each traced back to its model code), and GPU estimates whose attention holds
+what cuDNN's fused kernel holds."""
+
+import re
+
+import pytest
+from podtrain.config.load import load_config
+from podtrain.errors import ConfigError
+from podtrain.planning import fit, hlo, plan
+from podtrain.planning import targets as hardware
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.job import build
+from podtrain.train.loop import train
+
+from conftest import SMALL
+
+
+def test_operations_add_up_to_the_step_and_name_their_source():
+    cfg = load_config(None, SMALL + ["mesh.data=1", "model.remat=full", "train.grad_accum=2"])
+    target = hardware.target("cpu:1")
+    p = plan.plan(cfg, target)
+    text = build(plan.for_target(cfg, target), build_mesh(cfg.mesh, target.devices), data=False).compile().as_text()
+    ops = hlo.operations(text)
+    assert sum(o.bytes for o in ops) == hlo.memory_traffic(text) == p.traffic
+    assert sum(o.flops for o in ops) == hlo.matmul_flops(text) == p.matmul_flops
+    assert p.top_bytes and p.top_flops
+    for ranking, key in ((p.top_bytes, "bytes"), (p.top_flops, "flops")):
+        amounts = [getattr(o, key) for o in ranking]
+        assert amounts == sorted(amounts, reverse=True) and amounts[0] == max(getattr(o, key) for o in ops)
+    # Every matmul comes from a model or loss file of podtrain, by its line.
+    for o in p.top_flops:
+        assert re.fullmatch(r"(attention|layers|llama|language)\.py:\d+", o.source), o
+    assert all(o.flops > 0 for o in p.top_flops)
+
+    # What `plan --top 3` prints: three rows of each ranking, with shares and sources.
+    out = plan.report(p, top=3)
+    bytes_rows = out.split("top bytes")[1].split("top flops")[0].strip().splitlines()[1:]
+    flops_rows = out.split("top flops")[1].strip().splitlines()[1:]
+    assert len(bytes_rows) == 3 and len(flops_rows) == 3
+    for row, o in zip(bytes_rows + flops_rows, p.top_bytes[:3] + p.top_flops[:3]):
+        assert row.split()[0].endswith("%") and o.source in row and row.endswith(o.name), row
+    assert [op["name"] for op in plan.as_json(p, top=2)["top_flops"]] == [o.name for o in p.top_flops[:2]]
+
+
+def _score_arrays(hlo_text: str, seq: int, block: int) -> list[str]:
+    """Arrays of the HLO with two sequence-sized dimensions: attention scores (seq or a causal block of queries)."""
+    arrays = re.findall(r"\[([\d,]+)\]", hlo_text)
+    return [a for a in arrays if sum(int(d) in (seq, block) for d in a.split(",")) >= 2]
+
+
+def test_a_gpu_estimate_models_cudnn_attention_without_scores():
+    """A GPU plan compiles on the CPU: cuDNN's fused attention is stood in for by its inputs,
+    outputs and softmax statistics, so no (seq, seq) scores appear, on one device or a mesh."""
+    overrides = [o for o in SMALL if "compute_dtype" not in o] + ["model.compute_dtype=bfloat16"]
+    cfg = load_config(None, overrides + ["train.seq_len=96", "model.max_seq_len=96", "mesh.data=2", "mesh.tensor=2"])
+    target = hardware.target("h100x4")
+    estimate = plan.for_target(cfg, target)
+    assert estimate.model.attention == "cudnn_estimate"
+    compiled = {}
+    for attention in ("xla", "cudnn_estimate"):
+        c = fit.changed(estimate, {"model.attention": attention})
+        compiled[attention] = build(c, build_mesh(c.mesh, target.devices), data=False).compile()
+    texts = {k: v.as_text() for k, v in compiled.items()}
+    assert _score_arrays(texts["xla"], 96, 48)  # the detector sees XLA's scores (2 causal blocks of 48)
+    assert _score_arrays(texts["cudnn_estimate"], 96, 48) == []
+    assert texts["cudnn_estimate"].count("all-gather") == texts["xla"].count("all-gather") == 0  # per shard
+    memory = {k: v.memory_analysis().temp_size_in_bytes for k, v in compiled.items()}
+    assert memory["cudnn_estimate"] < memory["xla"]
+    assert "stand-in of its memory" in target.label
+
+
+def test_the_stand_in_is_refused_by_a_run(tmp_path):
+    with pytest.raises(ConfigError, match="computes nothing"):
+        train(load_config(None, [*SMALL, "model.attention=cudnn_estimate", f"run_dir={tmp_path}"]))
+    assert not any(tmp_path.iterdir())
