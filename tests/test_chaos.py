@@ -34,7 +34,8 @@ ARGS = [
 
 
 def _listing(checkpoints) -> tuple[set[int], bool]:
-    """The complete steps, and whether a save is under way (orbax writes a step into a temporary folder, renamed at the end)."""
+    """The complete steps, and whether a save is under way (orbax writes a step into a temporary
+    folder, renamed at the end)."""
     names = [p.name for p in checkpoints.iterdir()] if checkpoints.is_dir() else []
     return {int(n) for n in names if n.isdigit()}, any("tmp" in n for n in names)
 

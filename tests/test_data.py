@@ -215,7 +215,8 @@ def test_hub_datasets_are_streamed_by_datasets(tmp_path):
     )
     (repo / "other" / "train-00000.jsonl").write_text(json.dumps({"text": "not this one"}) + "\n")
     (repo / "README.md").write_text(
-        "---\nconfigs:\n- config_name: cosmopedia-v2\n  data_files:\n  - split: train\n    path: cosmopedia-v2/*.jsonl\n"
+        "---\nconfigs:\n- config_name: cosmopedia-v2\n  data_files:\n"
+        "  - split: train\n    path: cosmopedia-v2/*.jsonl\n"
         "- config_name: other\n  data_files:\n  - split: train\n    path: other/*.jsonl\n---\n"
     )
     assert list(Corpus(str(repo), dataset_name="cosmopedia-v2").documents()) == documents(20)

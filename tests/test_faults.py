@@ -94,7 +94,8 @@ def test_no_intact_checkpoint_lists_what_was_found_and_renames_nothing(trained, 
     _truncate(run / "checkpoints" / "2" / "opt")
     with pytest.raises(
         CheckpointError,
-        match=r"No intact checkpoint .*step 4: .* differ from their recorded checksums.*; step 2: its (files|metadata) cannot be read.*Nothing was renamed",
+        match=r"No intact checkpoint .*step 4: .* differ from their recorded checksums.*; "
+        r"step 2: its (files|metadata) cannot be read.*Nothing was renamed",
     ):
         train(load_config(None, _args(small_overrides, run, 6)))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
@@ -106,7 +107,8 @@ def test_resuming_with_other_shapes_names_the_differing_keys(trained, small_over
     other = [*_args(small_overrides, run, 6), "model.d_ff=96"]
     with pytest.raises(
         CheckpointError,
-        match=r"params/layers/mlp/w_gate is float32\[2, 32, 64\] there, float32\[2, 32, 96\] here.*config.yaml differs from this config in: model.d_ff \(64 there, 96 here\); train.steps \(4 there, 6 here\)",
+        match=r"params/layers/mlp/w_gate is float32\[2, 32, 64\] there, float32\[2, 32, 96\] here.*"
+        r"config.yaml differs from this config in: model.d_ff \(64 there, 96 here\); train.steps \(4 there, 6 here\)",
     ):
         train(load_config(None, other))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]  # not mistaken for damage

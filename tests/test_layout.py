@@ -67,7 +67,8 @@ def test_cycle_finder_finds_a_cycle():
 
 
 def test_schema_loads_nothing_of_podtrain_but_errors():
-    code = "import sys, podtrain.config.schema; print(sorted(m for m in sys.modules if m.startswith(('podtrain', 'jax', 'flax'))))"
+    code = "import sys, podtrain.config.schema; print(sorted(m for m in sys.modules if m.startswith(PREFIXES)))"
+    code = code.replace("PREFIXES", "('podtrain', 'jax', 'flax')")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(loaded) == ["podtrain", "podtrain.config", "podtrain.config.schema", "podtrain.errors"]
 

@@ -1,4 +1,5 @@
-"""Real processes on 127.0.0.1: several processes train exactly like one, fail fast, and refuse half-set environments."""
+"""Real processes on 127.0.0.1: several processes train exactly like one, fail fast, and refuse
+half-set environments."""
 
 import json
 import os
