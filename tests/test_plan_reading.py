@@ -74,3 +74,35 @@ def test_the_stand_in_is_refused_by_a_run(tmp_path):
     with pytest.raises(ConfigError, match="computes nothing"):
         train(load_config(None, [*SMALL, "model.attention=cudnn_estimate", f"run_dir={tmp_path}"]))
     assert not any(tmp_path.iterdir())
+
+
+UPDATE_IN_BF16 = """HloModule m
+
+%fused (param_0: s32[], param_1: bf16[4,8,16], param_2: bf16[8,16]) -> bf16[4,8,16] {
+  %param_1 = bf16[4,8,16]{2,1,0} parameter(1)
+  %convert.1 = f32[4,8,16]{2,1,0} convert(%param_1)
+  %param_2 = bf16[8,16]{1,0} parameter(2)
+  %convert.2 = f32[8,16]{1,0} convert(%param_2)
+  %bitcast = f32[1,8,16]{2,1,0} bitcast(%convert.2)
+  %param_0 = s32[] parameter(0)
+  %zero = s32[] constant(0)
+  %dus = f32[4,8,16]{2,1,0} dynamic-update-slice(%convert.1, %bitcast, %param_0, %zero, %zero)
+  ROOT %convert.3 = bf16[4,8,16]{2,1,0} convert(%dus)
+}
+
+ENTRY %main (i: s32[], buffer: bf16[4,8,16], row: bf16[8,16]) -> bf16[4,8,16] {
+  %i = s32[] parameter(0)
+  %buffer = bf16[4,8,16]{2,1,0} parameter(1)
+  %row = bf16[8,16]{1,0} parameter(2)
+  ROOT %f = bf16[4,8,16]{2,1,0} fusion(%i, %buffer, %row), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_bf16_update_the_cpu_wraps_in_converts_counts_as_in_place_for_a_gpu():
+    """The CPU compiler updates a bf16 buffer by converting it whole to f32 and back; a GPU
+    writes the row in place. A GPU estimate counts the row, a CPU plan the whole buffer."""
+    buffer, row = 4 * 8 * 16 * 2, 8 * 16 * 2
+    assert hlo.memory_traffic(UPDATE_IN_BF16) == 4 + 2 * buffer + row  # read whole, written whole
+    (op,) = hlo.operations(UPDATE_IN_BF16, through_converts=True)
+    assert op.bytes == 4 + row + row  # the index, the row read, the row written (in bf16)

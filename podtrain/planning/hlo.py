@@ -282,27 +282,40 @@ def _operations(lines: list[str]):
             yield line, result, type_text, op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
 
 
-def _accesses(lines: list[str], operand_sizes: list[int], result_size: int) -> int:
+def _accesses(lines: list[str], operand_sizes: list[int], result_size: int, through_converts: bool = False) -> int:
     """Bytes a fusion reads and writes, seen from its body: an operand that is only sliced is
     read in part; a buffer updated in place by dynamic-update-slice is neither read nor written
-    whole, only the update is."""
+    whole, only the update is. `through_converts`: a buffer converted to another dtype around
+    its update counts as updated in place too (what the CPU compiler makes of a bf16 update that
+    a GPU does in place)."""
     ops = [(line, r, _bytes(type_text), op, operands) for line, r, type_text, op, operands in _operations(lines)]
     params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
     sizes = {r: size for _, r, size, _, _ in ops}
+    made_by = {r: (op, operands) for _, r, _, op, operands in ops}
+    converted = {r: operands[0] for _, r, _, op, operands in ops if through_converts and op == "convert"}
+
+    def origin(name: str) -> str:
+        while name in converted:
+            name = converted[name]
+        return name
+
     read = dict(enumerate(operand_sizes))
     uses: dict[int, list] = defaultdict(list)
-    for _, _, size, op, operands in ops:
+    for _, r, size, op, operands in ops:
         for position, name in enumerate(operands):
-            if name in params:
-                uses[params[name]].append((op, position, size))
+            if r not in converted and origin(name) in params:
+                uses[params[origin(name)]].append((op, position, size))
     for i, used in uses.items():
         if all(op in _SLICES and position == 0 for op, position, _ in used):
             read[i] = sum(size for _, _, size in used)
         elif all(op == "dynamic-update-slice" and position == 0 for op, position, _ in used):
             read[i] = 0
-    root = next((o for o in ops if o[0].lstrip().startswith("ROOT")), ops[-1] if ops else None)
-    written = sizes.get(root[4][1], result_size) if root and root[3] == "dynamic-update-slice" else result_size
-    return sum(read.values()) + written
+    root = next((o[1] for o in ops if o[0].lstrip().startswith("ROOT")), ops[-1][1] if ops else None)
+    op, operands = made_by.get(origin(root), (None, ()))
+    if op != "dynamic-update-slice":
+        return sum(read.values()) + result_size
+    # Only the update is written, in the dtype of the fusion's result.
+    return sum(read.values()) + sizes.get(operands[1], 0) * result_size // max(sizes[origin(root)], 1)
 
 
 @dataclass(frozen=True)
@@ -347,10 +360,12 @@ def _source(frames: dict[str, str], line: str, body: list[str] = ()) -> str:
     return ""
 
 
-def operations(hlo: str) -> list[Operation]:
+def operations(hlo: str, through_converts: bool = False) -> list[Operation]:
     """Every top-level operation of one run of the program with the bytes it moves: each reads
     its operands and writes its result (a fusion as its body sees them), once per loop
-    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip."""
+    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip.
+    `through_converts` counts buffers converted around an in-place update as updated in place
+    (see `_accesses`): for a GPU's step compiled on a CPU."""
     bodies, entry = _computations(hlo)
     frames, found = _stack_frames(hlo), []
 
@@ -368,7 +383,7 @@ def operations(hlo: str) -> list[Operation]:
                     visit(callee, times)
                 continue
             if op == "fusion":
-                moved = _accesses(called, [sizes.get(o, 0) for o in operands], size)
+                moved = _accesses(called, [sizes.get(o, 0) for o in operands], size, through_converts)
             elif op in _SLICES:
                 moved = 2 * size
             elif op == "dynamic-update-slice":

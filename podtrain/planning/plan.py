@@ -129,7 +129,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.matmul_flops = float(hlo.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives = hlo.summary(found)
-        ops = hlo.operations(text)
+        ops = hlo.operations(text, through_converts=target.estimate)
         result.traffic = float(sum(o.bytes for o in ops))
         result.top_bytes, result.top_flops = hlo.top(ops, TOP_KEPT, "bytes"), hlo.top(ops, TOP_KEPT, "flops")
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
