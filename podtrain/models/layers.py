@@ -54,7 +54,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (rms_norm(x, self.eps) * self.scale[...]).astype(x.dtype)
+        scale = jnp.expand_dims(self.scale[...], tuple(range(x.ndim - 1)))  # (1, ..., 1, dim)
+        return (rms_norm(x, self.eps) * scale).astype(x.dtype)
 
 
 def rope_tables(
@@ -117,7 +118,7 @@ def grouped_attention(
     )  # scaled before the product: T x H, not T x S, multiplies
     allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
     if causal:
-        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
+        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[None, None, :, None]
     bias = jnp.where(allowed, 0.0, -1e30).astype(jnp.float32)  # added, not selected: the backward needs no mask
     blocks = causal_blocks(t) if causal and t == s else 1
     return _attend(q, k_BSKH, v_BSKH, bias, blocks).reshape(b, t, n, h)
