@@ -1,4 +1,4 @@
-"""Eight fake CPU devices for every test, set before JAX is imported."""
+"""Eight fake CPU devices for every test and no implicit rank promotion, set before JAX is imported."""
 
 import atexit
 import os
@@ -7,6 +7,9 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Broadcasting between arrays of different ranks is an error, not a silent expansion (here and in
+# the processes the tests start): shapes are meant to line up explicitly.
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 # One compilation cache for the session and the processes it starts, not the user's.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="podtrain-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)

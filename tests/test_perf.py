@@ -4,6 +4,7 @@ unrolled layers equal the scan, on one device and on a mesh. And the throughput 
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,14 +98,18 @@ def test_swiglu_gradient_equals_autodiff():
 
 
 def test_unrolled_layers_equal_the_scan(small_overrides):
-    """model.scan_unroll=n_layers unrolls the scan in full (~1.05x faster on the cpu preset): the loss and gradients of the scan."""
+    """model.scan_unroll=n_layers unrolls the scan in full (~1.05x faster on the cpu preset): the loss
+    and gradients of the scan."""
     scanned = loss_and_grads(tuple(small_overrides))
     unrolled = loss_and_grads((*small_overrides, "model.scan_unroll=2"))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), unrolled, scanned)
 
 
 def test_throughput_bench_runs_tiny():
-    """End to end on CPU in its tiny mode: both sides train and the ratio line is printed (no timing asserted)."""
+    """End to end on CPU in its tiny mode: both sides train one warmup step from a loss near
+    log(vocabulary), then one timed repeat whose rates are positive and whose printed ratio is
+    reference time / podtrain time, that is podtrain's tokens/s over the reference's (to the
+    rounding of the printed numbers); min, median and max of one repeat are that ratio."""
     env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user has, not the tests' eight
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"],
@@ -115,4 +120,18 @@ def test_throughput_bench_runs_tiny():
         env=env,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "ratio podtrain/reference: min" in result.stdout
+    out = result.stdout
+    number = r"([0-9][0-9,]*\.?[0-9]*)"
+    losses = re.search(rf"loss after 1 warmup steps: podtrain {number}, reference {number}", out)
+    repeats = re.findall(rf"repeat \d+: podtrain {number} tokens/s, reference {number} tokens/s.*ratio {number}", out)
+    summary = re.search(rf"ratio podtrain/reference: min {number}  median {number}  max {number}", out)
+    assert losses and len(repeats) == 1 and summary, out
+    vocab = load_config(None, []).model.vocab_size  # the bench's tiny model keeps the default vocabulary
+    for loss in map(float, losses.groups()):
+        assert abs(loss - np.log(vocab)) < 0.1, (loss, out)  # small initial weights: about uniform
+    ours, reference, ratio = (float(x.replace(",", "")) for x in repeats[0])
+    assert ours > 0 and reference > 0 and ratio > 0, out
+    # tokens/s is printed to the token and the ratio to 1e-3: their rounding bounds the difference.
+    rounding = 5e-4 + (ours / reference) * (0.5 / ours + 0.5 / reference)
+    assert abs(ratio - ours / reference) <= rounding, out
+    assert [float(x) for x in summary.groups()] == [ratio] * 3, out

@@ -17,7 +17,7 @@ from podtrain.models.attention import causal_blocks
 from podtrain.planning import fit, plan
 from podtrain.planning import targets as hardware
 from podtrain.runtime import chips
-from podtrain.runtime.mesh import build_mesh
+from podtrain.runtime.mesh import build_mesh, factorizations
 from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.state import model_fns
@@ -124,12 +124,43 @@ def test_train_refuses_a_job_that_cannot_fit(tmp_path, monkeypatch, small_overri
 
 
 def test_sweep_ranks_every_mesh_and_remat(small_overrides):
-    cfg = load_config(None, small_overrides)
-    rows = plan.sweep(cfg, cpu(2))
-    assert len(rows) == 3 * 3  # (2,1,1), (1,2,1), (1,1,2) x none, dots, full
-    speeds = [p.tokens_per_sec for _, p in rows if isinstance(p, plan.Plan)]
-    assert speeds == sorted(speeds, reverse=True)
-    assert "tensor" in plan.sweep_table(rows)
+    """On 4 devices with microbatches of 2 sequences: the 3 meshes whose data x fsdp is 4 cannot
+    split a microbatch and say so; the other 3 meshes x 3 remat policies are planned and ranked
+    fastest first, after them. Each plan is of its own mesh and policy, and its numbers relate as
+    the roofline says; fsdp halves the weights per device and remat shrinks the temporaries."""
+    cfg = load_config(None, [*small_overrides, "train.grad_accum=4"])
+    rows = plan.sweep(cfg, cpu(4))
+    assert len(rows) == 6 * 3  # (4,1,1) (2,2,1) (2,1,2) (1,4,1) (1,2,2) (1,1,4) x none, dots, full
+    assert sorted((c["mesh.data"], c["mesh.fsdp"], c["mesh.tensor"], c["model.remat"]) for c, _ in rows) == sorted(
+        (*mesh, remat) for mesh in factorizations(4) for remat in ("none", "dots", "full")
+    )
+    plans = [(c, p) for c, p in rows if isinstance(p, plan.Plan)]
+    errors = [(c, p) for c, p in rows if not isinstance(p, plan.Plan)]
+    assert rows == plans + errors  # the meshes that cannot run come last
+    assert {(c["mesh.data"], c["mesh.fsdp"]) for c, _ in errors} == {(4, 1), (2, 2), (1, 4)} and len(errors) == 9
+    for _, why in errors:
+        assert "microbatch of 2 sequences" in why and "the 4 data-parallel shards" in why, why
+    assert len(plans) == 9 and all(p.fits for _, p in plans)
+    speeds = [p.tokens_per_sec for _, p in plans]
+    assert all(v > 0 for v in speeds) and speeds == sorted(speeds, reverse=True)
+    by_mesh = {}
+    for changes, p in plans:
+        assert p.mesh == (changes["mesh.data"], changes["mesh.fsdp"], changes["mesh.tensor"])
+        assert p.cfg.model.remat == changes["model.remat"] and p.tokens_per_step == 8 * 32
+        assert p.step_time == max(p.times["compute"], p.times["memory"], p.times["network"]) > 0
+        assert p.tokens_per_sec == pytest.approx(p.tokens_per_step / p.step_time, rel=1e-12)
+        m = p.memory
+        assert m.params + m.optimizer + m.temporaries <= m.total and m.gradients == m.params
+        by_mesh.setdefault(p.mesh, {})[p.cfg.model.remat] = m
+    for remats in by_mesh.values():
+        assert remats["full"].temporaries <= remats["dots"].temporaries <= remats["none"].temporaries
+        assert remats["full"].temporaries < remats["none"].temporaries
+    assert by_mesh[(1, 2, 2)]["none"].params * 2 == by_mesh[(2, 1, 2)]["none"].params  # fsdp=2 halves them
+    table = plan.sweep_table(rows).splitlines()
+    assert len(table) == 1 + 18 and "tensor" in table[0]
+    assert sum("cannot: The microbatch" in line for line in table) == 9
+    for line, (changes, _) in zip(table[1:], rows):
+        assert line.split()[:4] == [str(changes[k]) for k in ("mesh.data", "mesh.fsdp", "mesh.tensor", "model.remat")]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -150,10 +181,41 @@ def test_gpu_target_is_an_estimate_in_json():
     out = _cli(str(CONFIGS / "tiny.yaml"), "--target", "h100", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["fits"] and report["estimate"] and report["devices"] == 1
-    assert report["device_bytes"] == 0.75 * chips.CHIPS["h100"].memory  # JAX's GPU allocator's default share
-    for key in ("bytes_per_device", "flops_per_step", "step_time_s", "tokens_per_sec", "mfu"):
-        assert report[key], key
+    assert report["fits"] is True and report["estimate"] is True and report["devices"] == 1
+    assert report["target"] == "h100" and report["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
+    chip = chips.CHIPS["h100"]
+    assert report["device_bytes"] == 0.75 * chip.memory  # JAX's GPU allocator's default share
+
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.compute_dtype=float32"])  # the weights are float32 either way
+    m, t = cfg.model, cfg.train
+    param_bytes, _ = _sizes(cfg)
+    memory = report["bytes_per_device"]
+    assert all(isinstance(v, int) and v > 0 for v in memory.values()), memory
+    assert memory["params"] == memory["gradients"] == param_bytes  # float32 weights and their gradients
+    assert 2 * param_bytes <= memory["optimizer"] <= 2 * param_bytes + 64  # Adam's two moments and its count
+    assert memory["gradients"] <= memory["temporaries"]
+    # The step's peak: the state and the batch it reads, its temporaries, and the metrics it returns
+    # (the donated state's outputs reuse its buffers).
+    batch_bytes = 4 * t.batch_size * (t.seq_len + 1)
+    beyond = memory["total"] - (memory["params"] + memory["optimizer"] + memory["temporaries"])
+    assert batch_bytes <= beyond <= batch_bytes + 4096, (beyond, batch_bytes)
+    assert memory["total"] <= report["device_bytes"]
+
+    assert report["tokens_per_step"] == t.batch_size * t.seq_len
+    assert m.tie_embeddings  # so every weight, the embedding too, is in a matmul: 6N + 12LdT per token
+    per_token = 6 * param_bytes / 4 + 12 * m.n_layers * m.d_model * t.seq_len
+    assert report["flops_per_step"] == per_token * report["tokens_per_step"]
+    assert 0.5 * report["flops_per_step"] < report["matmul_flops_per_device"] <= report["flops_per_step"]
+    times = report["times_s"]
+    assert times["compute"] == pytest.approx(
+        max(report["matmul_flops_per_device"], report["flops_per_step"]) / chip.peak_flops, rel=1e-9
+    )
+    assert times["memory"] == pytest.approx(report["memory_traffic_bytes_per_device"] / chip.hbm_bandwidth, rel=1e-9)
+    assert times["network"] == 0 and not any(report["collective_bytes_per_device"].values())  # one device
+    assert report["step_time_s"] == times["step"] == max(times["compute"], times["memory"], times["network"]) > 0
+    assert report["tokens_per_sec"] == pytest.approx(report["tokens_per_step"] / report["step_time_s"], rel=1e-9)
+    assert report["mfu"] == pytest.approx(report["flops_per_step"] / report["step_time_s"] / chip.peak_flops, rel=1e-9)
+    assert 0 < report["mfu"] < 1 and report["compile_s"] > 0
 
 
 @needs_libtpu

@@ -11,6 +11,8 @@ import pytest
 from podtrain.cli import main
 from podtrain.config.load import load_config
 from podtrain.data import sudoku
+from podtrain.runtime.mesh import build_mesh
+from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
 from podtrain.train.tasks.puzzles import CELLS, act_loss, split, stablemax_cross_entropy
 
@@ -54,8 +56,25 @@ def puzzles(tmp_path_factory):
 def test_stablemax_cross_entropy():
     logits = jnp.array([[0.0, 1.0, -1.0]])  # s = 1, 2, 1/2
     np.testing.assert_allclose(stablemax_cross_entropy(logits, jnp.array([1])), [-np.log(2 / 3.5)], rtol=1e-6)
-    grad = jax.grad(lambda x: stablemax_cross_entropy(x, jnp.array([0])).sum())(jnp.array([[1.0, 2.0, -3.0]]))
-    assert np.isfinite(grad).all()  # also where the unused branch 1 / (1 - x) has a pole
+    # x = (1, 2, -3): s = (2, 3, 1/4), S = 5.25, and s' = 1 for x >= 0, 1 / (1 - x)^2 below. The gradient
+    # of -log s(x_0) + log S is s'(x_j) / S - [j = 0] s'(x_0) / s(x_0); finite also where the unused
+    # branch 1 / (1 - x) has a pole (x = 1).
+    x = jnp.array([[1.0, 2.0, -3.0]])
+    grad = jax.grad(lambda x: stablemax_cross_entropy(x, jnp.array([0])).sum())(x)
+    np.testing.assert_allclose(grad, [[1 / 5.25 - 1 / 2, 1 / 5.25, 1 / 16 / 5.25]], rtol=1e-6)
+
+    def reference(x, label):  # float64, in numpy
+        s = np.where(x >= 0, x + 1, 1 / (1 - np.minimum(x, 0)))
+        return -np.log(s[label] / s.sum())
+
+    y = np.array([0.7, -0.4, 1.9, -2.2, 0.1])  # both branches, away from the kink at 0
+    grad = np.asarray(jax.grad(lambda x: stablemax_cross_entropy(x, jnp.array(3)))(jnp.asarray(y, jnp.float32)))
+    h = 1e-6
+    central = [(reference(y + h * e, 3) - reference(y - h * e, 3)) / (2 * h) for e in np.eye(len(y))]
+    np.testing.assert_allclose(
+        stablemax_cross_entropy(jnp.asarray(y, jnp.float32), jnp.array(3)), reference(y, 3), rtol=1e-6
+    )
+    np.testing.assert_allclose(grad, central, rtol=1e-5, atol=1e-7)
 
 
 class StandIn:
@@ -231,19 +250,42 @@ def test_halted_slots_take_new_puzzles_and_the_others_go_on(puzzles, name):
 
 
 def test_metrics_of_halted_slots_are_pooled_over_microbatches(puzzles):
-    """With grad_accum=2 and halts in one microbatch only, the metrics are those of that one, not NaN."""
-    state, step, batches = trainer(
-        [*puzzles, *RECURSION["trm"], "mesh.data=1", "train.grad_accum=2", "model.halt_exploration_prob=0"], n_devices=1
+    """With grad_accum=2, the accuracies and ACT steps are over the slots that halted in either
+    microbatch, each slot counted once: with halts in one microbatch only they are that one's (not
+    NaN); with 1 and 3 halts, the mean over those 4 slots (not the mean of the two microbatches'
+    means). The labels of the continuing puzzles are set so that the model's own prediction (its
+    forward pass run here on the slots' latents) is right in the first k cells of slot i only."""
+    cfg = load_config(
+        None, [*puzzles, *RECURSION["trm"], "mesh.data=1", "train.grad_accum=2", "model.halt_exploration_prob=0"]
     )
-    state, metrics = step(state, batches[0])  # no slot halts at step 1 of halt_max_steps=2
-    assert np.isnan(float(metrics["act_steps"]))
-    restart = np.array([True] * 4 + [False] * 4).reshape(
-        2, 4
-    )  # microbatch 0 restarts, microbatch 1 reaches step 2 and halts
-    state["carry"] = {**state["carry"], "halted": jax.device_put(restart, state["carry"]["halted"].sharding)}
-    state, metrics = step(state, batches[1])
-    assert float(metrics["act_steps"]) == 2.0 and 0 <= float(metrics["cell_accuracy"]) <= 1
-    assert float(metrics["halted"]) == 0.5
+    job = build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    state, batches = job.init_state(cfg.seed), job.task.batches
+    state, metrics = job.step(state, batches[0])  # no slot halts at step 1 of halt_max_steps=2
+    assert np.isnan(float(metrics["act_steps"])) and np.isnan(float(metrics["cell_accuracy"]))
+    after_one, shardings = jax.device_get(state), jax.tree.map(lambda x: x.sharding, state)
+    forward = jax.jit(lambda params, z, rows: job.setup.fns.module(params)(z, split(rows)[1], split(rows)[0])[1])
+    carry = after_one["carry"]
+    predicted = np.stack(
+        [forward(after_one["params"], (carry["z_h"][i], carry["z_l"][i]), carry["data"][i]) for i in range(2)]
+    ).argmax(-1)  # (microbatch, slot, cell)
+    k = np.array([[0, 0, 0, 81], [0, 27, 54, 81]])  # right cells per slot
+    carry["data"] = np.array(carry["data"])
+    carry["data"][..., 1 + CELLS :] = np.where(
+        np.arange(CELLS) < k[..., None], predicted, (predicted + 1) % sudoku.VOCAB
+    )
+
+    for restart, cell, exact in (
+        ([[True] * 4, [False] * 4], 0.5, 0.25),  # mb 1 halts: (0 + 1/3 + 2/3 + 1) / 4, 1 of 4 exact
+        ([[True, True, True, False], [True, False, False, False]], 0.75, 0.5),  # (1 + 1/3 + 2/3 + 1) / 4, 2 of 4
+    ):
+        restart = np.array(restart)  # a restarted slot is at step 1; the others reach step 2 and halt
+        state = jax.device_put(after_one, shardings)
+        state["carry"]["halted"] = jax.device_put(restart, shardings["carry"]["halted"])
+        _, metrics = job.step(state, batches[1])
+        assert float(metrics["act_steps"]) == 2.0
+        np.testing.assert_allclose(float(metrics["cell_accuracy"]), cell, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["exact_accuracy"]), exact, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["halted"]), (~restart).mean(), rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -311,7 +353,8 @@ def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
     baseline = sudoku.load(data, "test").copy_baseline()
     final = [r for r in read_metrics(run) if "val_cell_accuracy" in r][-1]
     print(
-        f"{name}: held-out cell accuracy {final['val_cell_accuracy']:.3f}, exact {final['val_exact_accuracy']:.3f}, copy-the-givens {baseline:.3f}"
+        f"{name}: held-out cell accuracy {final['val_cell_accuracy']:.3f}, "
+        f"exact {final['val_exact_accuracy']:.3f}, copy-the-givens {baseline:.3f}"
     )
     assert final["val_cell_accuracy"] > baseline + (1 - baseline) / 9 + margin
 

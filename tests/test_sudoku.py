@@ -12,15 +12,38 @@ from podtrain.data import sudoku
 from podtrain.errors import DataError
 
 
-@pytest.mark.parametrize("givens,n", [(45, 10), (26, 4)])
+def is_sudoku(grid) -> bool:
+    """Every row, column and box holds the digits 1 to 9 once (checked here, not by the module)."""
+    g = np.asarray(grid)
+    boxes = [g[r : r + 3, c : c + 3].ravel() for r in (0, 3, 6) for c in (0, 3, 6)]
+    return all(sorted(unit.tolist()) == list(range(1, 10)) for unit in [*g, *g.T, *boxes])
+
+
+@pytest.mark.parametrize("givens,n", [(45, 10), (26, 4), (17, 2)])
 def test_generated_puzzles_have_exactly_one_solution(givens, n):
+    """Each puzzle has one solution, the one returned, which keeps its clues; it has `givens` clues,
+    or more only when it is minimal: blanking any one of its clues gives a second solution (17 clues
+    is below what the generator reaches, so those puzzles stop above it, minimal)."""
     puzzles, solutions = sudoku.generate_set(n, seed=givens, givens=givens)
+    assert puzzles.shape == solutions.shape == (n, 9, 9)
     for puzzle, solution in zip(puzzles, solutions):
         found = sudoku.solutions(puzzle, limit=2)
         assert len(found) == 1 and (found[0] == solution).all()
-        assert sudoku.is_valid_solution(puzzle, solution)
-        assert np.count_nonzero(puzzle) >= givens
-    assert np.count_nonzero(puzzles[0]) == givens or givens < 30  # easy targets are met exactly
+        assert is_sudoku(solution) and sudoku.is_valid_solution(puzzle, solution)
+        clues = puzzle != 0
+        assert (solution[clues] == puzzle[clues]).all() and puzzle.min() >= 0 and puzzle.max() <= 9
+        count = int(clues.sum())
+        assert count >= givens
+        if count > givens:
+            for r, c in zip(*np.nonzero(clues)):
+                fewer = puzzle.copy()
+                fewer[r, c] = 0
+                assert len(sudoku.solutions(fewer, limit=2)) == 2, (count, r, c)
+    counts = np.count_nonzero(puzzles, axis=(1, 2))
+    if givens >= 26:
+        np.testing.assert_array_equal(counts, givens)  # reachable targets are met exactly
+    else:
+        assert (counts > givens).all() and (counts < 30).all()
     again, _ = sudoku.generate_set(n, seed=givens, givens=givens)
     assert (again == puzzles).all()  # deterministic from the seed
 

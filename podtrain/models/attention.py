@@ -41,7 +41,7 @@ def grouped_attention(
     q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(h**-0.5, q_BTNH.dtype)
     allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
     if causal:
-        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[:, None]
+        allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[None, None, :, None]
     bias = jnp.where(allowed, 0.0, -1e30).astype(jnp.float32)  # added, not selected: the backward needs no mask
     blocks = causal_blocks(t) if causal and t == s else 1
     return _attend(q, k_BSKH, v_BSKH, bias, blocks).reshape(b, t, n, h)

@@ -52,7 +52,8 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (rms_norm(x, self.eps) * self.scale[...]).astype(x.dtype)
+        scale = jnp.expand_dims(self.scale[...], tuple(range(x.ndim - 1)))  # (1, ..., 1, dim)
+        return (rms_norm(x, self.eps) * scale).astype(x.dtype)
 
 
 def rope_tables(

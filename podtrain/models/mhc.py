@@ -115,7 +115,9 @@ class StreamMixer(nnx.Module):
         flat = self.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
         pre, post, res = jnp.split(
-            gate * _project(flat, self.phi[...]) + self.bias[...], np.cumsum(self.sizes)[:2], axis=-1
+            gate[None, None] * _project(flat, self.phi[...]) + self.bias[...][None, None],
+            np.cumsum(self.sizes)[:2],
+            axis=-1,
         )
         h_res = (
             permutation_mixture(res, n)

@@ -195,7 +195,7 @@ class RecursiveReasoner(nnx.Module):
         z_h, z_l = self.recurse(*carry, x, rope)
         dtype = z_h.dtype
         logits = output_head(z_h[:, self.cfg.puzzle_emb_len :], constrain(self.head[...], HEAD), dtype)
-        q = z_h[:, 0].astype(jnp.float32) @ self.q_head[...] + self.q_bias[...]
+        q = z_h[:, 0].astype(jnp.float32) @ self.q_head[...] + self.q_bias[...][None]
         return jax.lax.stop_gradient((z_h, z_l)), logits, q
 
 

@@ -36,7 +36,8 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     with the vocabulary's indices, not gathered, so logits split over the vocabulary (tensor
     parallelism) stay split: each shard reduces its part and only per-token sums cross devices."""
     logits = logits.astype(jnp.float32)
-    target_logit = jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0).sum(-1)
+    vocab = jnp.arange(logits.shape[-1]).reshape((1,) * targets.ndim + (-1,))
+    target_logit = jnp.where(vocab == targets[..., None], logits, 0.0).sum(-1)
     return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
