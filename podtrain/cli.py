@@ -298,7 +298,14 @@ COMMANDS = ("train", "plan", "generate", "convert", "checkpoints", "plot", "doct
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    args = parser().parse_args(argv)
+    """The command line, with `key=value` overrides wherever they stand among the flags."""
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    overrides = [item for item in rest if "=" in item and not item.startswith("-")]
+    if rest != overrides or (overrides and not hasattr(args, "overrides")):
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if overrides:
+        args.overrides += overrides
     if getattr(args, "config", None) and "=" in args.config:
         args.overrides.insert(0, args.config)  # `podtrain train key=value` without a file
         args.config = None

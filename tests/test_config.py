@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from podtrain.cli import parser
+from podtrain.cli import _parse, parser
 from podtrain.config.load import default_config, load_config, mesh_from_env, resolve_auto, save_config
 from podtrain.config.schema import MeshConfig
 from podtrain.errors import ConfigError, MeshError
@@ -167,3 +167,60 @@ def test_recipes_keep_their_setup():
     assert load_config(CONFIGS / "mhc_tiny.yaml").model.name == "mhc"
     assert (trm.train.batch_size, trm.train.ema, trm.model.mlp_t) == (768, 0.999, True)
     assert (pod.train.batch_size, pod.mesh.data, pod.model) == (6144, -1, trm.model)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "configs/llama_7b.yaml", "--target", "v5e-1", "mesh.data=1", "mesh.fsdp=1"],
+        ["plan", "configs/llama_7b.yaml", "mesh.data=1", "--target", "v5e-1", "mesh.fsdp=1"],
+        ["plan", "--target", "v5e-1", "configs/llama_7b.yaml", "mesh.data=1", "mesh.fsdp=1"],
+    ],
+)
+def test_overrides_may_follow_flags(argv):
+    args = _parse(argv)
+    assert args.config == "configs/llama_7b.yaml" and args.target == "v5e-1"
+    assert args.overrides == ["mesh.data=1", "mesh.fsdp=1"]
+
+
+def test_overrides_after_flags_for_train_doctor_and_convert():
+    args = _parse(["train", "--batch-size", "32", "train.steps=5", "--mesh-tp", "2", "train.lr=0.01"])
+    assert args.flags == {"--batch-size": "32", "--mesh-tp": "2"} and args.overrides == [
+        "train.steps=5",
+        "train.lr=0.01",
+    ]
+    assert _parse(["doctor", "configs/tiny.yaml", "mesh.data=2"]).overrides == ["mesh.data=2"]
+    args = _parse(["convert", "--from-hf", "SRC", "RUN", "--dtype", "float32", "train.seq_len=64"])
+    assert args.from_hf == ["SRC", "RUN"] and args.overrides == ["train.seq_len=64"]
+    with pytest.raises(SystemExit) as exit_info:  # a command without overrides refuses them, as before
+        _parse(["generate", "runs/x", "--greedy", "train.steps=3"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("source", ["command line", "yaml"])
+def test_values_are_read_as_typed(source, tmp_path):
+    """`off`, `on`, `yes` and `no` stay words for a key that takes a word, and are booleans for a
+    boolean key; `true`/`false` given to a word key are refused, naming it."""
+    values = {"compile_cache": "off", "data.tokenizer": "yes", "checkpoint.async_save": "off"}
+    if source == "yaml":
+        path = tmp_path / "c.yaml"
+        path.write_text("compile_cache: off\ndata:\n  tokenizer: yes\ncheckpoint:\n  async_save: off\n")
+        cfg = load_config(path)
+    else:
+        cfg = load_config(None, [f"{k}={v}" for k, v in values.items()])
+    assert cfg.compile_cache == "off" and cfg.data.tokenizer == "yes" and cfg.checkpoint.async_save is False
+    assert load_config(None, ["checkpoint.async_save=on"]).checkpoint.async_save is True
+    with pytest.raises(ConfigError, match="`compile_cache` in the overrides is the boolean false; it takes a word"):
+        load_config(None, ["compile_cache=false"])
+    with pytest.raises(ConfigError, match="`model.remat` .* is the boolean true; it takes one of: none, full, dots"):
+        load_config(None, ["model.remat=true"])
+
+
+def test_compile_cache_off_sets_no_cache(monkeypatch, tmp_path):
+    import jax
+    from podtrain.runtime import use_compile_cache
+
+    monkeypatch.chdir(tmp_path)
+    before = jax.config.jax_compilation_cache_dir
+    use_compile_cache(load_config(None, ["compile_cache=off"]).compile_cache)
+    assert jax.config.jax_compilation_cache_dir == before and not any(tmp_path.iterdir())

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from podtrain.config.schema import Config, all_keys, ranges
+from podtrain.config.schema import Config, all_keys, leaves, ranges
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
@@ -44,6 +46,20 @@ FLAG_ALIASES = {
     "--worker-buffer-size": "data.prefetch",
 }
 
+
+class _Yaml(yaml.SafeLoader):
+    """YAML as config values are typed: only true and false are booleans (as in YAML 1.2), so
+    `off`, `on`, `yes` and `no` stay the words they are (compile_cache=off means off)."""
+
+
+_Yaml.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
 MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
 
 
@@ -65,7 +81,7 @@ def _read_yaml(path: str | Path) -> dict:
             f"Config file {path} does not exist. Pass a YAML file (see configs/) or no file for the default job."
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), _Yaml)
     except yaml.YAMLError as e:
         raise ConfigError(
             f"Config file {path} is not valid YAML: {e}. Fix the file (indentation and `key: value` pairs)."
@@ -114,12 +130,8 @@ def _select(layers: list[Any], name: str):
 
 def _choices(defaults: Config, name: str) -> tuple | None:
     """The values a `Literal` key allows, or None for another kind of key."""
-    *sections, last = name.split(".")
-    node = defaults
-    for section in sections:
-        node = getattr(node, section, None)
-    hint = typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
-    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    kind = _field_type(defaults, name)
+    return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
 
 
 def _merge(defaults: Config, layers: list[Any]) -> Config:
@@ -148,11 +160,55 @@ def _merge(defaults: Config, layers: list[Any]) -> Config:
         raise ConfigError(f"Invalid config: {e.msg}") from None
 
 
-def parse_overrides(items: list[str]) -> list[str]:
+def parse_overrides(items: list[str]) -> dict:
+    """`key=value` items as a nested mapping, each value read as YAML would read it in a file."""
+    tree: dict = {}
     for item in items:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"Override `{item}` is not of the form key=value (for example train.steps=100).")
-    return list(items)
+        name, text = item.split("=", 1)
+        *sections, last = name.strip().split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(
+                    f"Override `{item}` sets a key inside `{section}`, which another override sets whole."
+                )
+        try:
+            node[last] = yaml.load(text, _Yaml) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Could not read the value of override `{item}`: {e}.") from None
+    return tree
+
+
+def _field_type(defaults: Config, name: str):
+    """The annotated type of a dotted key, or None where the schema has no such key."""
+    *sections, last = name.split(".")
+    node = defaults
+    for section in sections:
+        node = getattr(node, section, None)
+    return typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
+
+
+def check_words(defaults: Config, data: dict, where: str) -> None:
+    """A key that takes a word, given a boolean (YAML's `true` or `false`), is refused naming the
+    key and its values, rather than turned into the string 'True' or 'False'."""
+    for name, value in _flat(data).items():
+        kind = _field_type(defaults, name)
+        words = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else ()
+        takes_word = (
+            words
+            or kind is str
+            or (typing.get_origin(kind) in (typing.Union, types.UnionType) and str in typing.get_args(kind))
+        )
+        if isinstance(value, bool) and takes_word:
+            choices = f"one of: {', '.join(words)}" if words else "a word or a path, not a boolean"
+            field = dict((k, f) for k, f, _ in leaves(defaults)).get(name)
+            doc = f" ({field.metadata['doc']})" if field is not None and "doc" in field.metadata else ""
+            raise ConfigError(
+                f"Config key `{name}` in {where} is the boolean {str(value).lower()}; it takes {choices}{doc}."
+            )
 
 
 def load_config(
@@ -166,13 +222,16 @@ def load_config(
         data = _read_yaml(path)
         check_structure(data, str(path))
         layers.append(OmegaConf.create(data))
+    override = parse_overrides(mesh_from_env(environ) + list(overrides))
+    check_structure(override, "the overrides")
     try:
-        layers.append(OmegaConf.from_dotlist(mesh_from_env(environ) + parse_overrides(list(overrides))))
+        layers.append(OmegaConf.create(override))
     except OmegaConfBaseException as e:
         raise ConfigError(f"Could not parse overrides: {e.msg}") from None
-    check_structure(OmegaConf.to_container(layers[-1]), "the overrides")
     name = str(_select(layers, "model.name") or "llama")
     defaults = default_config(name)
+    for layer, where in zip(layers, [str(path), "the overrides"] if path else ["the overrides"]):
+        check_words(defaults, OmegaConf.to_container(layer), where)
     auto_vocab = _select(layers, "model.vocab_size") == "auto"
     for layer in layers if auto_vocab else []:  # a placeholder until the data is known
         if OmegaConf.select(layer, "model.vocab_size") == "auto":

@@ -28,6 +28,10 @@ the YAML file, `TPU_MESH_CONFIG`/`TPU_AXIS_NAMES`, command-line flags and `key=v
 The resolved config (with `auto` values filled in) is written to `RUN_DIR/config.yaml`. Every
 numeric key is checked against its valid values (finite numbers only) when the config loads,
 before any device, data or compile; a value outside them is an error naming the key and its range.
+Values are read as they are typed, in the file and on the command line alike: only `true` and
+`false` are booleans, so `compile_cache=off` or `data.tokenizer=yes` keep their words, a boolean
+key takes `on`/`off`/`yes`/`no` as well, and `true`/`false` given to a key that takes a word is an
+error naming the key and its values. Flags and `key=value` overrides may come in any order.
 
 Each model family has its own config, defined beside the model and registered by name
 (`MODELS` in `podtrain/models/__init__.py`): `model.name` picks it, and a key that family does not
