@@ -48,6 +48,18 @@ class Memory:
     def state(self) -> int:
         return self.params + self.optimizer + self.gradients
 
+    def summary(self) -> str:
+        """'params A + optimizer B + temporaries C (gradients D among them) = T per device of L'."""
+        return (
+            f"params {size(self.params)} + optimizer {size(self.optimizer)} + temporaries {size(self.temporaries)} "
+            f"(gradients {size(self.gradients)} among them) = {size(self.total)} per device of {size(self.available)}"
+        )
+
+
+def size(n: float | None) -> str:
+    """Bytes as GiB, or MiB below a tenth of one."""
+    return "-" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
 
 def local_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded jax.ShapeDtypeStructs."""
@@ -146,14 +158,14 @@ def advice(memory: Memory, n_devices: int, fix: dict | None) -> str:
     )
 
 
-def check(job: Job, cfg: Config, devices: list) -> None:
-    """Refuse, before anything is allocated, a job whose step does not fit these devices, naming
-    the smallest change that does (what `train` runs ahead of its first step; the step compiled
-    here is the one it then runs)."""
+def check(job: Job, cfg: Config, devices: list) -> Memory:
+    """The step's memory per device; refuse, before anything is allocated, a job whose step does
+    not fit these devices, naming the smallest change that does (what `train` runs ahead of its
+    first step; the step compiled here is the one it then runs)."""
     available = device_memory(devices[0])
     memory, _ = measure(job, available)
     if memory.fits:
-        return
+        return memory
     fix, _ = smallest_fix(
         cfg, len(devices), lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0]
     )

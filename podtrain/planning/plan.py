@@ -210,10 +210,6 @@ def as_json(p: Plan, top: int = 0) -> dict:
     return out
 
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
-
-
 def _speed(p: Plan) -> str:
     if not p.step_time:
         return "no prediction (not compiled: it does not fit)"
@@ -233,7 +229,7 @@ def top_table(p: Plan, n: int) -> list[str]:
             amount = getattr(o, title)
             shape = o.shape.split("{")[0]  # without the layout
             shape = shape if len(shape) <= 28 else shape[:25] + "..."
-            size = _gib(amount) if title == "bytes" else f"{amount:.3g}"
+            size = fit.size(amount) if title == "bytes" else f"{amount:.3g}"
             share = amount / total if total else 0
             lines.append(f"{'':12}{share:>6.1%}  {size:>10}  {o.source or '-':<22} {o.op:<13} {shape:<28} {o.name}")
     return lines
@@ -248,9 +244,7 @@ def report(p: Plan, top: int = 0) -> str:
         f"remat {c.model.remat}, batch "
         f"{c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} (grad_accum {c.train.grad_accum}), "
         f"mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
-        f"memory      params {_gib(m.params)} + optimizer {_gib(m.optimizer)} + temporaries {_gib(m.temporaries)} "
-        f"(gradients {_gib(m.gradients)} among them)",
-        f"            = {_gib(m.total)} per device of {_gib(m.available)}: " + ("fits" if p.fits else "DOES NOT FIT"),
+        f"memory      {m.summary()}: " + ("fits" if p.fits else "DOES NOT FIT"),
         f"flops       model {p.flops_per_step:.3g} per step"
         + (
             f"; compiled matmuls {p.matmul_flops:.3g} per device x {len(p.target.devices)} = "
@@ -259,7 +253,7 @@ def report(p: Plan, top: int = 0) -> str:
             else ""
         )
         + (f"; XLA cost_analysis {p.xla_cost_flops:.3g} (counts a scanned layer once)" if p.xla_cost_flops else ""),
-        f"traffic     {_gib(p.traffic)} read and written in device memory per device per step"
+        f"traffic     {fit.size(p.traffic)} read and written in device memory per device per step"
         if p.traffic
         else "traffic     -",
         "network     "
@@ -274,7 +268,9 @@ def report(p: Plan, top: int = 0) -> str:
     if not p.fits:
         lines.append(f"remedy      {fit.advice(m, len(p.target.devices), p.remedy)}")
         if p.remedy_plan:
-            lines.append(f"            with it: {_gib(p.remedy_plan.memory.total)} per device, {_speed(p.remedy_plan)}")
+            lines.append(
+                f"            with it: {fit.size(p.remedy_plan.memory.total)} per device, {_speed(p.remedy_plan)}"
+            )
     return "\n".join(lines)
 
 

@@ -86,7 +86,7 @@ def train(cfg: Config) -> dict:
     rt, cfg = on_this_machine(cfg)
     run, t = Run.of(cfg), cfg.train
     job = build(cfg, rt.mesh)
-    fit.check(job, cfg, rt.devices)
+    memory = fit.check(job, cfg, rt.devices)
     task = job.task
     if task.tokenizer is not None:
         run.check_tokenizer(task.tokenizer)
@@ -101,6 +101,7 @@ def train(cfg: Config) -> dict:
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, "
         f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
     )
+    console.print(f"[podtrain] step memory: {memory.summary()}")
     for line in job.replicated[:8]:
         console.print(f"[podtrain] replicated, as the mesh does not divide it: {line}")
     if note := optim.warmup_note(t):
