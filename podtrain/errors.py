@@ -44,3 +44,7 @@ class Preempted(PodtrainError):
 
 class DoesNotFit(PodtrainError):
     """A train step that needs more memory than a device has."""
+
+
+class RunInUse(PodtrainError):
+    """A run directory another job is writing."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import closing
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import jax
@@ -84,12 +84,17 @@ def initial_weights(source: str, abstract_params, cfg: Config):
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps, resuming from the run's latest checkpoint. Returns the last metrics."""
     rt, cfg = on_this_machine(cfg)
-    run, t = Run.of(cfg), cfg.train
     job = build(cfg, rt.mesh)
     memory = fit.check(job, cfg, rt.devices)
-    task = job.task
-    if task.tokenizer is not None:
-        run.check_tokenizer(task.tokenizer)
+    run = Run.of(cfg)
+    if job.task.tokenizer is not None:
+        run.check_tokenizer(job.task.tokenizer)
+    with run.lock() if rt.is_main else nullcontext():  # one job per run directory; process 0 holds it
+        return _train(cfg, rt, run, job, memory)
+
+
+def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory) -> dict:
+    t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     checkpointer = run.checkpointer()
     state = resume(job, checkpointer, cfg, console.print)
