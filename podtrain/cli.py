@@ -88,9 +88,9 @@ def _convert(args) -> None:
                 f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides."
             )
         run_dir, out = args.to_hf
-        files = export_hf(run_dir, out, args.dtype)
+        files, dtype = export_hf(run_dir, out, args.dtype)
         print(
-            f"[podtrain] wrote {out}: config.json, {', '.join(files)}; load it with "
+            f"[podtrain] wrote {out}: config.json, {', '.join(files)} in {dtype}; load it with "
             f"transformers.AutoModelForCausalLM.from_pretrained({out!r})."
         )
 
@@ -235,7 +235,9 @@ def parser() -> argparse.ArgumentParser:
     way.add_argument("--from-hf", nargs=2, metavar=("SRC", "RUN_DIR"))
     way.add_argument("--to-hf", nargs=2, metavar=("RUN_DIR", "OUT_DIR"))
     cv.add_argument(
-        "--dtype", default="bfloat16", help="dtype of the exported weights: bfloat16 (default), float16 or float32"
+        "--dtype",
+        help="dtype of the exported weights: bfloat16, float16 or float32 (default: the dtype the run was "
+        "imported in, else bfloat16)",
     )
     cv.add_argument(
         "overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)"

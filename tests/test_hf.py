@@ -82,13 +82,16 @@ TOKENS = np.random.default_rng(0).integers(0, 300, (2, 40))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_import_matches_transformers_and_exports_bitwise(tmp_path, variant):
+def test_import_matches_transformers_and_exports_bitwise(tmp_path, variant, capsys):
     model = hf_llama(tmp_path / "hf", **VARIANTS[variant])
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     assert np.abs(podtrain_logits(tmp_path / "run", TOKENS) - torch_logits(model, TOKENS)).max() < 1e-4
 
     dtype = VARIANTS[variant].get("dtype", "float32")
-    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out"), "--dtype", dtype]) == 0
+    capsys.readouterr()
+    # Without --dtype, the export keeps the dtype the run was imported in, and says which it wrote.
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert f"model.safetensors in {dtype};" in capsys.readouterr().out
     source, exported = (
         load_file(tmp_path / "hf" / "model.safetensors"),
         load_file(tmp_path / "out" / "model.safetensors"),

@@ -17,6 +17,8 @@ from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.run import Run, on_this_machine
 from podtrain.train.state import model_fns
 
+IMPORTED = "imported.json"  # RUN_DIR/imported.json: where `convert --from-hf` read the weights, and their dtype
+
 
 def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, float]:
     """RUN_DIR/config.yaml with the checkpoint's model keys (and `overrides`), its tokenizer in
@@ -28,7 +30,8 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     if (run / "checkpoints").exists() or (run / "config.yaml").exists():
         raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
     has_tokenizer = (folder / "tokenizer.json").is_file()
-    keys = model_keys(read_hf_config(folder), source)
+    hf = read_hf_config(folder)
+    keys = model_keys(hf, source)
     seq_len = min(default_config("llama").train.seq_len, keys["max_seq_len"])  # where the positions allow it
     tokenizer = [f"data.tokenizer={(run / Run.TOKENIZER).resolve()}"] if has_tokenizer else []
     cfg = load_config(
@@ -48,16 +51,26 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     seconds = time.perf_counter() - start
     if rt.is_main:  # `auto` precision kept: resolved on the machine that trains
         Run.of(cfg).keep(cfg, load_tokenizer(str(folder)) if has_tokenizer else None)
+        origin = {"source": source, "dtype": hf.get("torch_dtype") or hf.get("dtype") or "float32"}
+        (run / IMPORTED).write_text(json.dumps(origin, indent=1))
     checkpointer = Checkpointer(cfg.checkpoint_dir, async_save=False)
     checkpointer.save({"step": jnp.int32(0), "params": params})
     checkpointer.close()
     return cfg, seconds
 
 
-def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
+def export_dtype(run_dir: str) -> str:
+    """The dtype an export writes by default: the one the run was imported in, else bfloat16."""
+    imported = Path(run_dir) / IMPORTED
+    return json.loads(imported.read_text())["dtype"] if imported.is_file() else "bfloat16"
+
+
+def export_hf(run_dir: str, out_dir: str, dtype: str | None = None) -> tuple[list[str], str]:
     """OUT_DIR with config.json, generation_config.json, the weights (the EMA where the run kept
-    one) as safetensors in `dtype`, and the run's tokenizer files when it used a Hugging Face
-    tokenizer: what `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads."""
+    one) as safetensors in `dtype` (default: `export_dtype`), and the run's tokenizer files when it
+    used a Hugging Face tokenizer: what `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`
+    loads. Returns the files written and the dtype."""
+    dtype = dtype or export_dtype(run_dir)
     run = Run.at(run_dir)
     cfg, _, params = run.language_model()
     if cfg.model.name != "llama":
@@ -77,4 +90,4 @@ def export_hf(run_dir: str, out_dir: str, dtype: str) -> list[str]:
     )
     if tokenizer.file:
         keep_tokenizer(tokenizer, out)
-    return files
+    return files, dtype
