@@ -8,6 +8,7 @@ from pathlib import Path
 
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
+from podtrain.runtime.devices import hide_absent_tpu
 
 
 def _config(args):
@@ -111,7 +112,8 @@ def _plan(args) -> int:
     from podtrain.runtime import use_compile_cache
 
     cfg, target = _config(args), hardware.target(args.target)
-    use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
+    if target.platform != "tpu":  # a TPU program compiled with no TPU client cannot be read back from the cache
+        use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
     if args.sweep:
         print(target.label)
         print(plan.sweep_table(plan.sweep(cfg, target)))
@@ -316,6 +318,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command != "plan":  # a plan compiles for TPUs it does not have; nothing else wakes libtpu
+        hide_absent_tpu()
     try:
         return args.func(args) or 0
     except Preempted as e:

@@ -73,6 +73,13 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
         options["chips_per_host_bounds"] = (*dims, 1)[:3]
     # Compiling claims no TPU: let several plans (and a TPU job's own processes) load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM, libtpu looks for the slice it runs on and prints a screen of warnings when it
+    # finds none: tell it the target's, and keep its logging to errors (a TPU VM's own settings win).
+    for name_, value in {
+        "TPU_ACCELERATOR_TYPE": name, "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+        "TPU_SKIP_MDS_QUERY": "1", "TPU_MIN_LOG_LEVEL": "3", "TPU_STDERR_LOG_LEVEL": "3",
+    }.items():  # fmt: skip
+        os.environ.setdefault(name_, value)
     try:
         from jax.experimental import topologies
 
