@@ -8,7 +8,6 @@ from pathlib import Path
 
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
-from podtrain.runtime.devices import hide_absent_tpu
 
 
 def _config(args):
@@ -318,7 +317,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.command != "plan":  # a plan compiles for TPUs it does not have; nothing else wakes libtpu
+    if args.command not in ("plan", "launch"):  # a plan compiles for TPUs it has not; nothing else wakes libtpu
+        from podtrain.runtime.devices import hide_absent_tpu
+
         hide_absent_tpu()
     try:
         return args.func(args) or 0
