@@ -118,6 +118,7 @@ class ReasoningBlock(nnx.Module):
                 rngs=rngs,
                 axis="seq",
                 x_axes=("act_batch", "act_embed", "act_seq"),
+                recompute=True,
             )
         else:
             self.attn = Attention(
@@ -131,7 +132,7 @@ class ReasoningBlock(nnx.Module):
                 rngs=rngs,
                 causal=False,
             )
-        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs, recompute=True)
 
     def __call__(self, h: jax.Array, rope) -> jax.Array:
         h = constrain(h, ACT)
