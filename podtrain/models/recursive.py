@@ -48,7 +48,7 @@ from podtrain.models.layers import (
     embed_tokens,
     output_head,
     param,
-    rms_norm,
+    rms_norm_keeping_input,
     rope_tables,
     scan_layers,
     stacked,
@@ -138,10 +138,10 @@ class ReasoningBlock(nnx.Module):
         h = constrain(h, ACT)
         if hasattr(self, "token_mlp"):  # normalised over the sequence, as in the reference
             t = h.swapaxes(1, 2)
-            h = rms_norm(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
+            h = rms_norm_keeping_input(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
         else:
-            h = rms_norm(h + self.attn(h, rope), self.eps).astype(h.dtype)
-        return constrain(rms_norm(h + self.mlp(h), self.eps).astype(h.dtype), ACT)
+            h = rms_norm_keeping_input(h + self.attn(h, rope), self.eps).astype(h.dtype)
+        return constrain(rms_norm_keeping_input(h + self.mlp(h), self.eps).astype(h.dtype), ACT)
 
 
 class ReasoningModule(nnx.Module):
