@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from podtrain.config.load import load_config
-from podtrain.models.layers import rope_tables
+from podtrain.models.layers import SwiGLU, rms_norm, rms_norm_keeping_input, rope_tables
 from podtrain.models.recursive import HRM, TRM
 
 PAPER = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1536", "model.compute_dtype=float32"]
@@ -96,3 +96,45 @@ def test_hrm_one_step_gradient():
         float(jnp.abs(grads["low"]["layers"]["mlp"]["w_up"][...]).max()) > 0
         and float(jnp.abs(grads["high"]["layers"]["mlp"]["w_up"][...]).max()) > 0
     )
+
+
+@pytest.mark.parametrize(
+    "cls,extra",
+    [(TRM, ["model.mlp_t=true", "model.H_cycles=2", "model.L_cycles=2"]), (HRM, ["model.H_layers=2"])],
+    ids=["trm-mlp_t", "hrm"],
+)
+def test_recomputed_mlps_keep_outputs_and_gradients(cls, extra):
+    """The blocks' MLPs keep only their input for the backward and compute the hidden layer again
+    there (`swiglu_mlp`): the segment's outputs and gradients are those of the MLP autodiff saves."""
+    results = [segment_and_gradients(cls, extra, recompute) for recompute in (True, False)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), *results)
+
+
+def segment_and_gradients(cls, extra, recompute: bool):
+    model, _, params, tokens = build(cls, extra)
+    mlps = [m for _, m in nnx.iter_modules(model) if isinstance(m, SwiGLU)]
+    assert mlps and all(m.recompute for m in mlps)  # what the models build
+    for m in mlps:
+        m.recompute = recompute
+    graphdef, start = nnx.split(model)[0], model.initial_carry(2)
+
+    def segment(p):
+        carry, logits, q = nnx.merge(graphdef, p)(start, tokens, jnp.zeros(2, jnp.int32))
+        return loss(graphdef, p, start, tokens), (carry, logits, q)
+
+    return jax.jit(jax.value_and_grad(segment, has_aux=True))(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_keeping_its_input_equals_rms_norm(dtype):
+    """The blocks' norms keep x in its own dtype for the backward instead of its float32 copy."""
+    x = (3 * jax.random.normal(jax.random.key(0), (2, 5, 64))).astype(dtype)
+    weights = jax.random.normal(jax.random.key(1), x.shape)
+
+    def value_and_grad(norm):
+        return jax.value_and_grad(lambda x: (norm(x, 1e-5).astype(dtype).astype(jnp.float32) * weights).sum())(x)
+
+    (ours, d_ours), (plain, d_plain) = value_and_grad(rms_norm_keeping_input), value_and_grad(rms_norm)
+    np.testing.assert_allclose(ours, plain, rtol=1e-6)
+    assert d_ours.dtype == dtype
+    np.testing.assert_allclose(d_ours.astype(jnp.float32), d_plain.astype(jnp.float32), rtol=1e-5, atol=1e-6)

@@ -7,6 +7,8 @@ norms, softmax statistics and logits are computed in float32.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -44,6 +46,30 @@ def rms_norm(x: jax.Array, eps: float) -> jax.Array:
     """x / rms(x) over the last axis, computed in float32; no learned scale."""
     x32 = x.astype(jnp.float32)
     return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def rms_norm_keeping_input(x: jax.Array, eps: float) -> jax.Array:
+    """rms_norm whose backward keeps x in its own dtype (bfloat16 under mixed precision) and the
+    (..., 1) float32 scale, where autodiff keeps x's float32 copy: the float32 copy of a bfloat16
+    value is exact, so the backward reads half the bytes for the same numbers."""
+    return rms_norm(x, eps)
+
+
+def _rms_norm_keeping_input_fwd(x, eps):
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * scale, (x, scale)
+
+
+def _rms_norm_keeping_input_bwd(eps, residuals, d_y):
+    x, scale = residuals
+    y = x.astype(jnp.float32) * scale
+    d_y = d_y.astype(jnp.float32)
+    return ((scale * (d_y - y * jnp.mean(d_y * y, axis=-1, keepdims=True))).astype(x.dtype),)
+
+
+rms_norm_keeping_input.defvjp(_rms_norm_keeping_input_fwd, _rms_norm_keeping_input_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -104,9 +130,43 @@ def _swiglu_bwd(gate_up, d_hidden):
 swiglu.defvjp(lambda gate_up: (swiglu(gate_up), gate_up), _swiglu_bwd)
 
 
+def _mlp_hidden(x, w_in, x_axes):
+    gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*x_axes[:-1], None, "act_mlp"))
+    return gate_up, swiglu(gate_up)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def swiglu_mlp(x: jax.Array, w_in: jax.Array, w_down: jax.Array, x_axes: tuple[str, ...]) -> jax.Array:
+    """swiglu(x w_in) w_down, w_in (d, 2, d_ff) gate first, whose backward keeps only its inputs: the
+    (..., 2, d_ff) pre-activations and the hidden layer are computed again from x there instead of
+    being written to memory, stacked per layer and read back. The same operations as SwiGLU's plain
+    path forward; its gradients are autodiff's to rounding."""
+    return _mlp_hidden(x, w_in, x_axes)[1] @ w_down
+
+
+def _swiglu_mlp_fwd(x, w_in, w_down, x_axes):
+    return swiglu_mlp(x, w_in, w_down, x_axes), (x, w_in, w_down)
+
+
+def _swiglu_mlp_bwd(x_axes, residuals, d_out):
+    x, w_in, w_down = residuals
+    gate_up, hidden = _mlp_hidden(x, w_in, x_axes)
+    batch = "".join(chr(ord("a") + i) for i in range(x.ndim - 1))  # the leading axes, summed for the weights
+    d_w_down = jnp.einsum(f"{batch}f,{batch}d->fd", hidden, d_out)
+    d_hidden = constrain(d_out @ w_down.T, (*x_axes[:-1], "act_mlp"))
+    d_gate_up = _swiglu_bwd(gate_up, d_hidden)[0]
+    d_x = jnp.einsum("...kf,dkf->...d", d_gate_up, w_in)
+    d_w_in = jnp.einsum(f"{batch}d,{batch}kf->dkf", x, d_gate_up)
+    return d_x, d_w_in, d_w_down
+
+
+swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
+
+
 class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
-    weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism."""
+    weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism.
+    With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`)."""
 
     def __init__(
         self,
@@ -119,18 +179,22 @@ class SwiGLU(nnx.Module):
         rngs: nnx.Rngs,
         axis: str = "embed",
         x_axes: tuple[str, ...] = ACT,
+        recompute: bool = False,
     ):
         self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)
-        self.dtype, self.x_axes = dtype, x_axes
+        self.dtype, self.x_axes, self.recompute = dtype, x_axes, recompute
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
+        w_down = self.w_down[...].astype(self.dtype)
+        if self.recompute:
+            return constrain(swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
         hidden = swiglu(gate_up)
-        return constrain(hidden @ self.w_down[...].astype(self.dtype), self.x_axes)
+        return constrain(hidden @ w_down, self.x_axes)
 
 
 REMAT_POLICIES = {

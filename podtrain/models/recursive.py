@@ -48,7 +48,7 @@ from podtrain.models.layers import (
     embed_tokens,
     output_head,
     param,
-    rms_norm,
+    rms_norm_keeping_input,
     rope_tables,
     scan_layers,
     stacked,
@@ -118,6 +118,7 @@ class ReasoningBlock(nnx.Module):
                 rngs=rngs,
                 axis="seq",
                 x_axes=("act_batch", "act_embed", "act_seq"),
+                recompute=True,
             )
         else:
             self.attn = Attention(
@@ -131,16 +132,16 @@ class ReasoningBlock(nnx.Module):
                 rngs=rngs,
                 causal=False,
             )
-        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs, recompute=True)
 
     def __call__(self, h: jax.Array, rope) -> jax.Array:
         h = constrain(h, ACT)
         if hasattr(self, "token_mlp"):  # normalised over the sequence, as in the reference
             t = h.swapaxes(1, 2)
-            h = rms_norm(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
+            h = rms_norm_keeping_input(t + self.token_mlp(t), self.eps).astype(h.dtype).swapaxes(1, 2)
         else:
-            h = rms_norm(h + self.attn(h, rope), self.eps).astype(h.dtype)
-        return constrain(rms_norm(h + self.mlp(h), self.eps).astype(h.dtype), ACT)
+            h = rms_norm_keeping_input(h + self.attn(h, rope), self.eps).astype(h.dtype)
+        return constrain(rms_norm_keeping_input(h + self.mlp(h), self.eps).astype(h.dtype), ACT)
 
 
 class ReasoningModule(nnx.Module):
