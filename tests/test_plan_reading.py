@@ -7,7 +7,7 @@ import re
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
-from podtrain.planning import fit, hlo, plan
+from podtrain.planning import cost, fit, plan
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
@@ -21,9 +21,9 @@ def test_operations_add_up_to_the_step_and_name_their_source():
     target = hardware.target("cpu:1")
     p = plan.plan(cfg, target)
     text = build(plan.for_target(cfg, target), build_mesh(cfg.mesh, target.devices), data=False).compile().as_text()
-    ops = hlo.operations(text)
-    assert sum(o.bytes for o in ops) == hlo.memory_traffic(text) == p.traffic
-    assert sum(o.flops for o in ops) == hlo.matmul_flops(text) == p.matmul_flops
+    ops = cost.operations(text)
+    assert sum(o.bytes for o in ops) == cost.memory_traffic(text) == p.traffic
+    assert sum(o.flops for o in ops) == cost.matmul_flops(text) == p.matmul_flops
     assert p.top_bytes and p.top_flops
     for ranking, key in ((p.top_bytes, "bytes"), (p.top_flops, "flops")):
         amounts = [getattr(o, key) for o in ranking]
@@ -103,6 +103,6 @@ def test_a_bf16_update_the_cpu_wraps_in_converts_counts_as_in_place_for_a_gpu():
     """The CPU compiler updates a bf16 buffer by converting it whole to f32 and back; a GPU
     writes the row in place. A GPU estimate counts the row, a CPU plan the whole buffer."""
     buffer, row = 4 * 8 * 16 * 2, 8 * 16 * 2
-    assert hlo.memory_traffic(UPDATE_IN_BF16) == 4 + 2 * buffer + row  # read whole, written whole
-    (op,) = hlo.operations(UPDATE_IN_BF16, through_converts=True)
+    assert cost.memory_traffic(UPDATE_IN_BF16) == 4 + 2 * buffer + row  # read whole, written whole
+    (op,) = cost.operations(UPDATE_IN_BF16, through_converts=True)
     assert op.bytes == 4 + row + row  # the index, the row read, the row written (in bf16)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from podtrain.config.load import resolve_auto
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
-from podtrain.planning import fit, hlo
+from podtrain.planning import cost, fit, hlo
 from podtrain.planning.targets import Target
 from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
@@ -49,8 +49,8 @@ class Plan:
     collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
-    top_bytes: list[hlo.Operation] = field(default_factory=list)  # the operations moving the most bytes
-    top_flops: list[hlo.Operation] = field(default_factory=list)  # the operations doing the most FLOPs
+    top_bytes: list[cost.Operation] = field(default_factory=list)  # the operations moving the most bytes
+    top_flops: list[cost.Operation] = field(default_factory=list)  # the operations doing the most FLOPs
     remedy: dict | None = None  # the smallest change that fits, when this does not
     remedy_plan: Plan | None = None
 
@@ -126,12 +126,12 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     if compiled is not None:
         text = compiled.as_text()
         found = hlo.collectives(text)
-        result.matmul_flops = float(hlo.matmul_flops(text))
+        result.matmul_flops = float(cost.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives = hlo.summary(found)
-        ops = hlo.operations(text, through_converts=target.estimate)
+        ops = cost.operations(text, through_converts=target.estimate)
         result.traffic = float(sum(o.bytes for o in ops))
-        result.top_bytes, result.top_flops = hlo.top(ops, TOP_KEPT, "bytes"), hlo.top(ops, TOP_KEPT, "flops")
+        result.top_bytes, result.top_flops = cost.top(ops, TOP_KEPT, "bytes"), cost.top(ops, TOP_KEPT, "flops")
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
     if remedy and not memory.fits:
         result.remedy, result.remedy_plan = fit.smallest_fix(cfg, n, lambda c: plan(c, target, remedy=False))
@@ -164,7 +164,7 @@ def _rank(row: tuple) -> tuple:
     return (2, 0.0) if isinstance(p, str) else (0 if p.fits else 1, -(p.tokens_per_sec or 0.0))
 
 
-def _op_json(o: hlo.Operation) -> dict:
+def _op_json(o: cost.Operation) -> dict:
     return {"name": o.name, "op": o.op, "shape": o.shape, "source": o.source, "bytes": o.bytes, "flops": o.flops}
 
 

@@ -1,0 +1,239 @@
+"""What a compiled program costs, read from its optimized HLO text: the FLOPs of its matmuls and
+the bytes each top-level operation moves through device memory, every instruction counted as
+often as it runs (XLA's own `cost_analysis()` counts a loop's body once).
+
+`operations(compiled.as_text())` lists the top-level operations (a fusion is one) with the bytes
+each reads and writes, its matmul FLOPs and the model line it was made from; `plan` sums them for
+its roofline and ranks them for `--top`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from podtrain.planning import hlo
+
+# Operations that move no data of their own: they name, alias or control.
+_NO_TRAFFIC = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "iota",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+}
+_FRAME = re.compile(r"\bstack_frame_id=(\d+)")
+_SECTION_ROW = re.compile(r"^(\d+) (.*)$")
+
+
+def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
+    """One attribute of a convolution's window={size=2x16 stride=1x15 pad=0_0x15_15 ...}, per spatial dimension."""
+    found = (
+        re.search(rf"\b{key}=([\d_x]+)", line.split("window={", 1)[-1].split("}", 1)[0]) if "window={" in line else None
+    )
+    return [[int(v) for v in d.split("_")] for d in found.group(1).split("x")] if found else [[default, default]] * rank
+
+
+def _taps(out: int, kernel: int, size: int, stride: int, pad_low: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """Kernel taps that land on a real input element (not padding, not a dilation hole), summed
+    over the output positions of one spatial dimension: XLA's own rule for a convolution's FLOPs."""
+    at = np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] * rhs_dilate - pad_low
+    return int(((at >= 0) & (at <= (size - 1) * lhs_dilate) & (at % lhs_dilate == 0)).sum())
+
+
+def _convolution_macs(line: str, lhs: tuple, rhs: tuple, out: tuple) -> int:
+    """Multiply-adds of a convolution, which is how the TPU compiler writes batched matmuls."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", line).groups()
+    spatial = sorted({c for c in labels[0] if c.isdigit()})
+    macs = out[labels[2].index("b")] * out[labels[2].index("f")] * rhs[labels[1].index("i")]
+    sizes, strides, pads = (
+        _window(line, "size", len(spatial), 1),
+        _window(line, "stride", len(spatial), 1),
+        _window(line, "pad", len(spatial), 0),
+    )
+    lhs_dilate, rhs_dilate = _window(line, "lhs_dilate", len(spatial), 1), _window(line, "rhs_dilate", len(spatial), 1)
+    for i, d in enumerate(spatial):
+        macs *= _taps(
+            out[labels[2].index(d)],
+            sizes[i][0],
+            lhs[labels[0].index(d)],
+            strides[i][0],
+            pads[i][0],
+            lhs_dilate[i][0],
+            rhs_dilate[i][0],
+        )
+    return macs
+
+
+def _matmul_macs(line: str, op: str, operands: list[str], result: str, shapes: dict) -> int:
+    """Multiply-adds of a dot or convolution instruction (0 for any other)."""
+    if op == "dot":
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+        reduced = math.prod(shapes[operands[0]][int(d)] for d in hlo.dims(contracting.group(1))) if contracting else 1
+        return math.prod(shapes[result]) * reduced
+    if op == "convolution":
+        return _convolution_macs(line, shapes[operands[0]], shapes[operands[1]], shapes[result])
+    return 0
+
+
+def _computation_flops(lines: list[str]) -> int:
+    """Matmul FLOPs of one run of a computation's own instructions (2 per multiply-add)."""
+    shapes, total = {}, 0
+    for line, result, type_text, op, operands in hlo.instructions(lines):
+        shapes[result] = hlo.shape_of(type_text)
+        total += 2 * _matmul_macs(line, op, operands, result, shapes)
+    return total
+
+
+def matmul_flops(text: str) -> int:
+    """FLOPs of the dots and convolutions of one run of the program (2 per multiply-add), every
+    instruction counted as often as it runs: the matmuls a device really does, remat included."""
+    bodies, entry = hlo.computations(text)
+    times = hlo.multipliers(bodies, entry)
+    return sum(_computation_flops(lines) * times[name] for name, lines in bodies.items() if times.get(name))
+
+
+_SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
+
+
+def _accesses(lines: list[str], operand_sizes: list[int], result_size: int, through_converts: bool = False) -> int:
+    """Bytes a fusion reads and writes, seen from its body: an operand that is only sliced is
+    read in part; a buffer updated in place by dynamic-update-slice is neither read nor written
+    whole, only the update is. `through_converts`: a buffer converted to another dtype around
+    its update counts as updated in place too (what the CPU compiler makes of a bf16 update that
+    a GPU does in place)."""
+    ops = [
+        (line, r, hlo.nbytes(type_text), op, operands) for line, r, type_text, op, operands in hlo.instructions(lines)
+    ]
+    params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
+    sizes = {r: size for _, r, size, _, _ in ops}
+    made_by = {r: (op, operands) for _, r, _, op, operands in ops}
+    converted = {r: operands[0] for _, r, _, op, operands in ops if through_converts and op == "convert"}
+
+    def origin(name: str) -> str:
+        while name in converted:
+            name = converted[name]
+        return name
+
+    read = dict(enumerate(operand_sizes))
+    uses: dict[int, list] = defaultdict(list)
+    for _, r, size, op, operands in ops:
+        for position, name in enumerate(operands):
+            if r not in converted and origin(name) in params:
+                uses[params[origin(name)]].append((op, position, size))
+    for i, used in uses.items():
+        if all(op in _SLICES and position == 0 for op, position, _ in used):
+            read[i] = sum(size for _, _, size in used)
+        elif all(op == "dynamic-update-slice" and position == 0 for op, position, _ in used):
+            read[i] = 0
+    root = next((o[1] for o in ops if o[0].lstrip().startswith("ROOT")), ops[-1][1] if ops else None)
+    op, operands = made_by.get(origin(root), (None, ()))
+    if op != "dynamic-update-slice":
+        return sum(read.values()) + result_size
+    # Only the update is written, in the dtype of the fusion's result.
+    return sum(read.values()) + sizes.get(operands[1], 0) * result_size // max(sizes[origin(root)], 1)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A top-level operation of the compiled program (a fusion counts as one), per step."""
+
+    name: str  # the instruction's name in the HLO
+    op: str  # its opcode: fusion, copy, all-gather, ...
+    shape: str  # its result type, e.g. bf16[8,2048,4096]
+    source: str  # file:line of the code it was made from (its op metadata), or ""
+    bytes: int  # device memory it reads and writes, loop iterations included
+    flops: int  # matmul FLOPs inside it, loop iterations included
+
+
+def _stack_frames(text: str) -> dict[str, str]:
+    """Stack frame id -> "file.py:line" of the code that made an instruction, from the tables that
+    close the HLO text (FileNames, FunctionNames, FileLocations, StackFrames)."""
+    tables: dict[str, dict[str, str]] = {}
+    section = None
+    for line in text.splitlines():
+        if line.strip() in hlo.TABLES:
+            section = tables.setdefault(line.strip(), {})
+        elif section is not None and (row := _SECTION_ROW.match(line)):
+            section[row.group(1)] = row.group(2)
+        else:
+            section = None
+    files, frames = tables.get("FileNames", {}), {}
+    for frame, text in tables.get("StackFrames", {}).items():
+        location = tables.get("FileLocations", {}).get(re.search(r"file_location_id=(\d+)", text).group(1), "")
+        file, line = re.search(r"file_name_id=(\d+)", location), re.search(r"\bline=(\d+)", location)
+        if file and line:
+            name = files.get(file.group(1), "?").strip('"').rsplit("/", 1)[-1]
+            frames[frame] = f"{name}:{line.group(1)}"
+    return frames
+
+
+def _source(frames: dict[str, str], line: str, body: list[str] = ()) -> str:
+    """Where an instruction comes from: its own stack frame, else the first of its body's."""
+    for text in (line, *body):
+        if (frame := _FRAME.search(text)) and frame.group(1) in frames:
+            return frames[frame.group(1)]
+    return ""
+
+
+def operations(text: str, through_converts: bool = False) -> list[Operation]:
+    """Every top-level operation of one run of the program with the bytes it moves: each reads
+    its operands and writes its result (a fusion as its body sees them), once per loop
+    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip.
+    `through_converts` counts buffers converted around an in-place update as updated in place
+    (see `_accesses`): for a GPU's step compiled on a CPU."""
+    bodies, entry = hlo.computations(text)
+    frames, found = _stack_frames(text), []
+
+    def visit(name: str, times: int) -> None:
+        sizes, shapes = {}, {}
+        for line, result, type_text, op, operands in hlo.instructions(bodies.get(name, ())):
+            sizes[result] = size = hlo.nbytes(type_text)
+            shapes[result] = hlo.shape_of(type_text)
+            called = bodies.get(m.group(1), ()) if (m := re.search(r"\bcalls=%?([\w.\-]+)", line)) else ()
+            if op == "while":
+                visit(hlo.BODY.search(line).group(1), times * hlo.trip_count(line, bodies))
+                continue
+            if op in ("call", "conditional"):
+                for callee in hlo.callees(line):
+                    visit(callee, times)
+                continue
+            if op == "fusion":
+                moved = _accesses(called, [sizes.get(o, 0) for o in operands], size, through_converts)
+            elif op in _SLICES:
+                moved = 2 * size
+            elif op == "dynamic-update-slice":
+                moved = 2 * sizes.get(operands[1], 0)
+            elif op in _NO_TRAFFIC:
+                moved = 0
+            else:
+                moved = size + sum(sizes.get(o, 0) for o in operands)
+            if op == "fusion":
+                flops = _computation_flops(called)
+            else:
+                flops = 2 * _matmul_macs(line, op, operands, result, shapes)
+            if moved or flops:
+                shape = type_text.strip()
+                found.append(Operation(result, op, shape, _source(frames, line, called), moved * times, flops * times))
+
+    visit(entry, 1)
+    return found
+
+
+def memory_traffic(text: str) -> int:
+    """Bytes of device memory one run of the program reads and writes (see `operations`)."""
+    return sum(o.bytes for o in operations(text))
+
+
+def top(found: list[Operation], n: int, by: str) -> list[Operation]:
+    """The n operations that move the most bytes (by="bytes") or do the most FLOPs (by="flops")."""
+    return sorted((o for o in found if getattr(o, by)), key=lambda o: -getattr(o, by))[:n]
