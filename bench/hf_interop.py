@@ -196,7 +196,7 @@ def phase(name: str, argv: list[str]) -> None:
     sampler.start()
     if name == "_baseline":
         import jax
-        import podtrain.train.hf  # noqa: F401
+        import podtrain.interop.hf  # noqa: F401
 
         jax.devices()
     elif name == "_import":

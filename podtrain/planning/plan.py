@@ -3,8 +3,8 @@ whether it fits, what it moves between devices and how fast it should run.
 
 The step is the one `train` compiles (same function, same shardings), built from abstract shapes:
 no weights are allocated and no data is read. Memory comes from XLA's `memory_analysis()`,
-FLOPs and collective bytes from the optimized HLO (`runtime.hlo`, loops counted per
-iteration), and the step time from a roofline over the chip's constants (`runtime.hardware`):
+FLOPs, bytes and collectives from the optimized HLO (`planning.cost`, `planning.hlo`; loops counted
+per iteration), and the step time from a roofline over the chip's constants (`runtime.chips`):
 
     compute  = matmul FLOPs per device / peak FLOP/s          (remat's recomputation included;
                at least the model's FLOPs per device, which a Pallas kernel's hide from the HLO)

@@ -87,5 +87,5 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
 
 def compile_step(cfg: Config, mesh):
     """The train step compiled ahead of time, to read its memory (`memory_analysis()`) and
-    collectives (`runtime.hlo`) before running it."""
+    collectives (`planning.hlo`) before running it."""
     return build(cfg, mesh, data=False).compile()
