@@ -1,16 +1,19 @@
-"""mHC against Llama of the same width and depth: val loss after the same steps, and step time.
+"""mHC's cost against the Llama of the same width and depth: step time, alternated in one process.
 
-    python bench/mhc_vs_llama.py [key=value ...]     # e.g. train.steps=100
+    python bench/mhc_overhead.py [--steps 30] [--repeats 2] [key=value ...]
 
-Trains configs/tiny.yaml and configs/mhc_tiny.yaml one after the other on this machine with the
-same overrides, then prints both final val losses and the mean step time of each (compilation,
-eval and checkpoint saving excluded) with the ratio mhc / llama.
+Trains configs/tiny.yaml and configs/mhc_tiny.yaml with the same overrides, alternating them
+(llama, mhc, llama, mhc, ... `--repeats` pairs) in one process, and prints each run's median step
+time (the metrics' step_time: compilation, eval and checkpoint saves excluded) and final loss,
+then the ratio mhc / llama of the pairs as min / median / max. Evaluation, checkpoints and the
+closing sample are switched off; the compilation cache is left as configured, so each run
+compiles (or loads) its step once before its timed steps.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,23 +22,46 @@ from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
 CONFIGS = Path(__file__).parent.parent / "configs"
+RECIPES = {"llama": "tiny.yaml", "mhc": "mhc_tiny.yaml"}
 
 
-def run(recipe: str, run_dir: Path, overrides: list[str]) -> tuple[float, float]:
-    """Final val loss and mean step time of one recipe."""
-    last = train(load_config(CONFIGS / recipe, [*overrides, f"run_dir={run_dir}", "train.sample_tokens=0"]))
-    return last["val_loss"], statistics.mean(r["step_time"] for r in read_metrics(run_dir) if r.get("step_time"))
+def run(recipe: str, run_dir: Path, steps: int, overrides: list[str]) -> tuple[float, float]:
+    """(median step time in seconds, last logged loss) of one training run."""
+    cfg = load_config(
+        CONFIGS / recipe,
+        [
+            f"train.steps={steps}",
+            "train.log_every=1",
+            f"train.eval_every={steps + 1}",
+            f"checkpoint.every={steps + 1}",
+            "train.sample_tokens=0",
+            *overrides,
+            f"run_dir={run_dir}",
+        ],
+    )
+    train(cfg)
+    rows = [r for r in read_metrics(run_dir) if r.get("step_time")]
+    return statistics.median(r["step_time"] for r in rows), rows[-1]["loss"]
 
 
 def main() -> None:
-    overrides = sys.argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2, help="llama/mhc pairs, alternated")
+    parser.add_argument("overrides", nargs="*", help="key=value for both recipes")
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {name: [] for name in RECIPES}
     with tempfile.TemporaryDirectory() as tmp:
-        llama = run("tiny.yaml", Path(tmp, "llama"), overrides)
-        mhc = run("mhc_tiny.yaml", Path(tmp, "mhc"), overrides)
-    print(f"{'model':<8}{'val_loss':>10}{'ms/step':>10}")
-    for name, (loss, step) in (("llama", llama), ("mhc", mhc)):
-        print(f"{name:<8}{loss:>10.4f}{step * 1e3:>10.1f}")
-    print(f"step time mhc / llama: {mhc[1] / llama[1]:.3f}; val loss mhc - llama: {mhc[0] - llama[0]:+.4f}")
+        for i in range(args.repeats):
+            for name, recipe in RECIPES.items():
+                step, loss = run(recipe, Path(tmp, f"{name}{i}"), args.steps, args.overrides)
+                times[name].append(step)
+                print(f"repeat {i} {name:<6} median step {step * 1e3:8.1f} ms   loss {loss:.4f}", flush=True)
+    ratios = sorted(m / ll for ll, m in zip(times["llama"], times["mhc"]))
+    print(
+        f"step time mhc / llama over {args.repeats} pairs: min {ratios[0]:.3f}  "
+        f"median {statistics.median(ratios):.3f}  max {ratios[-1]:.3f}"
+    )
 
 
 if __name__ == "__main__":
