@@ -24,6 +24,9 @@ Choices the paper leaves open follow MaxText's port: φ starts normal with std 1
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
 stored in the compute dtype between sub-layers.
+RMSNorm(flat x)·φ is computed as (flat x · diag(scale)φ) / rms(x), the division after the
+projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no
+longer rounded before the product, and φ·scale is rounded to bfloat16 for it.
 """
 
 from __future__ import annotations
