@@ -1,6 +1,7 @@
 """mHC: the projections are doubly stochastic and weigh the right permutations, identity mixing is Llama
 (n=1 and n=4), each coefficient acts on the right streams, and it shards like Llama."""
 
+import functools
 import itertools
 
 import jax
@@ -185,3 +186,86 @@ def test_bfloat16_streams_are_mixed_in_float32():
     out = mixer(ones, lambda y: jnp.zeros_like(y))
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
+
+
+# The mixing as first written (test-only reference): the RMSNorm of the flattened streams, its
+# projection, Sinkhorn-Knopp as a loop over (b, t, n, n) in log space, and the three products as
+# einsums accumulated in float32.
+def reference_sinkhorn(logits, iters):
+    def normalise(_, log_p):
+        log_p = log_p - jax.nn.logsumexp(log_p, axis=-2, keepdims=True)
+        return log_p - jax.nn.logsumexp(log_p, axis=-1, keepdims=True)
+
+    return jnp.exp(jax.lax.fori_loop(0, iters, normalise, logits.astype(jnp.float32)))
+
+
+def reference_mix(mixer, x, branch):
+    b, t, n, c = x.shape
+    flat = mixer.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
+    gate = jnp.repeat(mixer.alpha[...], np.array(mixer.sizes), total_repeat_length=sum(mixer.sizes))
+    pre, post, res = jnp.split(gate * (flat @ mixer.phi[...]) + mixer.bias[...], np.cumsum(mixer.sizes)[:2], axis=-1)
+    if mixer.projection == "permutations":
+        h_res = permutation_mixture(res, n)
+    else:
+        h_res = reference_sinkhorn(res.reshape(b, t, n, n), mixer.iters)
+    h_pre, h_post = jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post)
+    y = branch(jnp.einsum("btn,btnc->btc", h_pre, x, preferred_element_type=jnp.float32).astype(x.dtype))
+    mixed = jnp.einsum("btnm,btmc->btnc", h_res, x, preferred_element_type=jnp.float32) + jnp.einsum(
+        "btn,btc->btnc", h_post, y, preferred_element_type=jnp.float32
+    )
+    return mixed.astype(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "streams,batch,seq,projection",
+    [
+        (1, 2, 8, "sinkhorn"),
+        (2, 3, 5, "sinkhorn"),
+        (4, 4, 16, "sinkhorn"),
+        (4, 1, 1, "sinkhorn"),
+        (3, 4, 4, "permutations"),
+    ],
+)
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 2, 2)])
+def test_mixer_equals_the_reference_formulation(streams, batch, seq, projection, mesh_shape):
+    """Outputs and gradients (of every parameter and of the streams) equal the einsum formulation
+    in float32, with a random bias, norm scale and gate so every coefficient matters, on one device
+    and on a (2, 2, 2) mesh."""
+    cfg = load_config(
+        None, MHC + [f"model.streams={streams}", f"model.projection={projection}", "model.sinkhorn_iters=7"]
+    ).model
+    mixer = StreamMixer(cfg, nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(2), 6)
+    mixer.bias[...] = jax.random.normal(keys[0], mixer.bias.shape)
+    mixer.alpha[...] = jnp.array([0.7, -0.4, 1.3])
+    mixer.norm.scale[...] = 1 + 0.3 * jax.random.normal(keys[1], mixer.norm.scale.shape)
+    weight = jax.random.normal(keys[2], (cfg.d_model, cfg.d_model)) / np.sqrt(cfg.d_model)
+    x = jax.random.normal(keys[3], (batch, seq, streams, cfg.d_model))
+    cotangent = jax.random.normal(keys[4], x.shape)
+    graphdef, state = nnx.split(mixer)
+
+    def loss(mix, state, x):
+        out = mix(nnx.merge(graphdef, state), x, lambda y: jnp.tanh(y @ weight))
+        return jnp.sum(out * cotangent), out
+
+    def new(m, x, branch):
+        return m(x, branch)
+
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)
+    (_, out), (d_state, d_x) = sharded_jit(functools.partial(grads, new), mesh)(state, x)
+    (_, ref_out), (ref_d_state, ref_d_x) = jax.jit(functools.partial(grads, reference_mix))(state, x)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_x, ref_d_x, rtol=1e-4, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), d_state, ref_d_state)
+
+
+@pytest.mark.parametrize("iters", [1, 20])
+def test_sinkhorn_equals_the_reference_loop(iters):
+    """The unrolled projection and its gradient equal the loop over (.., n, n) in float32."""
+    logits = 2 * jax.random.normal(jax.random.key(5), (3, 7, 4, 4))
+    cotangent = jax.random.normal(jax.random.key(6), logits.shape)
+    out, grad = jax.value_and_grad(lambda z: jnp.sum(sinkhorn(z, iters) * cotangent))(logits)
+    ref, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference_sinkhorn(z, iters) * cotangent))(logits)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)

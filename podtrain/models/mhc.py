@@ -24,12 +24,17 @@ Choices the paper leaves open follow MaxText's port: φ starts normal with std 1
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
 stored in the compute dtype between sub-layers.
+RMSNorm(flat x)·φ is computed as (flat x · diag(scale)φ) / rms(x), the division after the
+projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no
+longer rounded before the product, and φ·scale is rounded to bfloat16 for it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,14 +74,31 @@ class MhcConfig(llama.LlamaConfig):
 STREAMS = ("act_batch", "act_seq", "act_streams", "act_embed")  # the residual streams (batch, seq, n, d_model)
 
 
+def _logsumexp(values: list[jax.Array]) -> jax.Array:
+    """log Σ exp over a list of equally shaped arrays, elementwise (max-subtracted, as jax.nn.logsumexp)."""
+    top = jax.lax.stop_gradient(functools.reduce(jnp.maximum, values))
+    return top + jnp.log(functools.reduce(operator.add, [jnp.exp(v - top) for v in values]))
+
+
 def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
-    """The doubly stochastic matrix Sinkhorn-Knopp makes of exp(logits), over the last two axes."""
+    """The doubly stochastic matrix Sinkhorn-Knopp makes of exp(logits), over the last two axes.
+
+    In float32 log space, on the n² entries as separate arrays of the leading (token) shape, so
+    that an iteration is elementwise across tokens: one pass over small per-token arrays, never
+    reductions over (.., n, n) tiles that a TPU pads to (8, 128). The iterations stay a loop
+    (unrolled, the chain of fused elementwise iterations grows the compiled code without bound)."""
+    n = logits.shape[-1]
 
     def normalise(_, log_p):
-        log_p = log_p - jax.nn.logsumexp(log_p, axis=-2, keepdims=True)  # columns
-        return log_p - jax.nn.logsumexp(log_p, axis=-1, keepdims=True)  # rows
+        log_p = [log_p[i * n : (i + 1) * n] for i in range(n)]
+        columns = [_logsumexp([log_p[i][j] for i in range(n)]) for j in range(n)]
+        log_p = [[log_p[i][j] - columns[j] for j in range(n)] for i in range(n)]
+        rows = [_logsumexp(log_p[i]) for i in range(n)]
+        return tuple(log_p[i][j] - rows[i] for i in range(n) for j in range(n))
 
-    return jnp.exp(jax.lax.fori_loop(0, iters, normalise, logits.astype(jnp.float32)))
+    entries = tuple(logits[..., i, j].astype(jnp.float32) for i in range(n) for j in range(n))
+    log_p = jax.lax.fori_loop(0, iters, normalise, entries)
+    return jnp.stack([jnp.exp(v) for v in log_p], axis=-1).reshape(logits.shape)
 
 
 def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
@@ -85,11 +107,39 @@ def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
     return jnp.einsum("...k,kij->...ij", jax.nn.softmax(logits.astype(jnp.float32), axis=-1), perms)
 
 
-@jax.checkpoint
-def _project(flat: jax.Array, phi: jax.Array) -> jax.Array:
-    """flat @ phi with phi gathered whole, so each batch shard computes its coefficients alone;
-    rematerialised, so the backward gathers phi again instead of keeping it, as fsdp does."""
-    return flat @ constrain(phi, ("act_embed", "act_streams"))
+def _project(flat: jax.Array, phi: jax.Array, scale: jax.Array) -> jax.Array:
+    """flat @ (diag(scale) phi) in flat's dtype, accumulated in float32, with phi and the norm's scale
+    gathered whole, so each batch shard computes its coefficients alone; rematerialised, so the
+    backward gathers them again instead of keeping them, as fsdp does. The checkpointed function is
+    made anew at each trace: jax.checkpoint caches a function's trace, and the layout it pins
+    depends on the mesh being traced for."""
+
+    def project(flat, phi, scale):
+        phi = constrain(phi, ("act_embed", "act_streams")) * constrain(scale, ("act_embed",))[:, None]
+        return jnp.matmul(flat, phi.astype(flat.dtype), preferred_element_type=jnp.float32)
+
+    return jax.checkpoint(project)(flat, phi, scale)
+
+
+def read_streams(h_pre: jax.Array, x: jax.Array) -> jax.Array:
+    """H_pre · x: Σ_j h_pre[j] x_j (b, t, C) for h_pre (b, t, n), x (b, t, n, C), in float32,
+    returned in x's dtype; elementwise, so one pass over the streams."""
+    terms = [h_pre[..., j, None] * x[..., j, :].astype(jnp.float32) for j in range(x.shape[-2])]
+    return functools.reduce(operator.add, terms).astype(x.dtype)
+
+
+def write_streams(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+    """H_res · x + H_postᵀ · y: stream i gets Σ_j h_res[i, j] x_j + h_post[i] y, for h_res (b, t, n, n),
+    h_post (b, t, n), x (b, t, n, C), y (b, t, C). Products and sums in float32, the result in x's
+    dtype; elementwise, so XLA reads the streams and y once and writes the new streams once."""
+    n = x.shape[-2]
+    xs = [x[..., j, :].astype(jnp.float32) for j in range(n)]
+    y = y.astype(jnp.float32)
+    streams = [
+        functools.reduce(operator.add, [h_res[..., i, j, None] * xs[j] for j in range(n)]) + h_post[..., i, None] * y
+        for i in range(n)
+    ]
+    return jnp.stack(streams, axis=-2).astype(x.dtype)
 
 
 class StreamMixer(nnx.Module):
@@ -110,14 +160,17 @@ class StreamMixer(nnx.Module):
         )
 
     def coefficients(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for streams x (b, t, n, C)."""
+        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for streams x (b, t, n, C).
+
+        RMSNorm(flat x) φ = (flat x (diag(scale) φ)) / rms(x): the division comes after the
+        projection (as in the paper's kernels), so the normalised streams are never written."""
         b, t, n, c = x.shape
-        flat = self.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=(-2, -1)) + self.norm.eps)
+        projected = _project(x.reshape(b, t, n * c), self.phi[...], self.norm.scale[...]) * inv_rms[..., None]
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
         pre, post, res = jnp.split(
-            gate[None, None] * _project(flat, self.phi[...]) + self.bias[...][None, None],
-            np.cumsum(self.sizes)[:2],
-            axis=-1,
+            gate[None, None] * projected + self.bias[...][None, None], np.cumsum(self.sizes)[:2], axis=-1
         )
         h_res = (
             permutation_mixture(res, n)
@@ -128,13 +181,10 @@ class StreamMixer(nnx.Module):
 
     def __call__(self, x: jax.Array, branch) -> jax.Array:
         """The coefficients and their products with the streams stay float32 (H_res doubly stochastic
-        to float32 precision); the sum returns to the compute dtype."""
+        to float32 precision); the sums return to the compute dtype."""
         h_pre, h_post, h_res = self.coefficients(x)
-        y = branch(jnp.einsum("btn,btnc->btc", h_pre, x, preferred_element_type=jnp.float32).astype(x.dtype))
-        mixed = jnp.einsum("btnm,btmc->btnc", h_res, x, preferred_element_type=jnp.float32) + jnp.einsum(
-            "btn,btc->btnc", h_post, y, preferred_element_type=jnp.float32
-        )
-        return constrain(mixed.astype(x.dtype), STREAMS)
+        y = branch(read_streams(h_pre, x))
+        return constrain(write_streams(h_res, h_post, x, y), STREAMS)
 
 
 class MhcBlock(llama.Block):
