@@ -203,7 +203,8 @@ def reference_mix(mixer, x, branch):
     b, t, n, c = x.shape
     flat = mixer.norm(x.reshape(b, t, n * c)).astype(jnp.float32)
     gate = jnp.repeat(mixer.alpha[...], np.array(mixer.sizes), total_repeat_length=sum(mixer.sizes))
-    pre, post, res = jnp.split(gate * (flat @ mixer.phi[...]) + mixer.bias[...], np.cumsum(mixer.sizes)[:2], axis=-1)
+    mixed = gate[None, None] * (flat @ mixer.phi[...]) + mixer.bias[...][None, None]
+    pre, post, res = jnp.split(mixed, np.cumsum(mixer.sizes)[:2], axis=-1)
     if mixer.projection == "permutations":
         h_res = permutation_mixture(res, n)
     else:
