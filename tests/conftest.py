@@ -10,11 +10,17 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # Broadcasting between arrays of different ranks is an error, not a silent expansion (here and in
 # the processes the tests start): shapes are meant to line up explicitly.
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
-# One compilation cache for the session and the processes it starts, not the user's.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="podtrain-tests-cache-")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# One compilation cache for the session, its workers and the processes they start, not the user's:
+# a program one test compiled is read back by every later test (or worker) that compiles it again.
+if "PODTRAIN_TESTS_CACHE" not in os.environ:  # the first process of the session makes it
+    os.environ["PODTRAIN_TESTS_CACHE"] = tempfile.mkdtemp(prefix="podtrain-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ["PODTRAIN_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["PODTRAIN_TESTS_CACHE"]
 
 import pytest  # noqa: E402
+from podtrain.runtime import use_compile_cache  # noqa: E402
+
+use_compile_cache("auto")  # what `train` does: the in-process tests share it too
 
 # A model small enough for 2 CPU cores, with grouped-query attention (n_kv_heads < n_heads).
 SMALL = [
