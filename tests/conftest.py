@@ -5,11 +5,7 @@ import os
 import shutil
 import tempfile
 
-# The tests' programs are tiny: compiling them is most of their time, running them next to none, so
-# XLA's backend compiles them unoptimised (the same arithmetic, about 1.7x faster to compile).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Broadcasting between arrays of different ranks is an error, not a silent expansion (here and in
 # the processes the tests start): shapes are meant to line up explicitly.
