@@ -9,10 +9,27 @@ from pathlib import Path
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
 
+# Flags from the setup guides, each an alias of one config key.
+FLAG_ALIASES = {
+    "--batch-size": "train.batch_size",
+    "--total-steps": "train.steps",
+    "--mesh-data": "mesh.data",
+    "--mesh-fsdp": "mesh.fsdp",
+    "--mesh-tp": "mesh.tensor",
+    "--checkpoint-dir": "checkpoint.dir",
+    "--checkpoint-interval": "checkpoint.every",
+    "--log-interval": "train.log_every",
+    "--learning-rate": "train.lr",
+    "--dataset": "data.path",
+    "--dataset-name": "data.dataset_name",
+    "--tokenizer": "data.tokenizer",
+    "--worker-buffer-size": "data.prefetch",
+}
+
 
 def _config(args):
     """The config of a train or doctor command line: file, setup-guide flags, then overrides."""
-    from podtrain.config.load import FLAG_ALIASES, load_config
+    from podtrain.config.load import load_config
 
     overrides = [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
     return load_config(args.config, overrides + args.overrides, small_model=getattr(args, "use_small_model", False))
@@ -156,8 +173,6 @@ class _Alias(argparse.Action):
 
 
 def parser() -> argparse.ArgumentParser:
-    from podtrain.config.load import FLAG_ALIASES
-
     p = argparse.ArgumentParser(
         prog="podtrain", description="One config, any device: JAX training from a laptop CPU to a TPU pod."
     )

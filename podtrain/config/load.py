@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import os
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,23 +27,6 @@ from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
 from podtrain.models.attention import SPLASH_BLOCK
-
-# Flags from the setup guides, each an alias of one config key.
-FLAG_ALIASES = {
-    "--batch-size": "train.batch_size",
-    "--total-steps": "train.steps",
-    "--mesh-data": "mesh.data",
-    "--mesh-fsdp": "mesh.fsdp",
-    "--mesh-tp": "mesh.tensor",
-    "--checkpoint-dir": "checkpoint.dir",
-    "--checkpoint-interval": "checkpoint.every",
-    "--log-interval": "train.log_every",
-    "--learning-rate": "train.lr",
-    "--dataset": "data.path",
-    "--dataset-name": "data.dataset_name",
-    "--tokenizer": "data.tokenizer",
-    "--worker-buffer-size": "data.prefetch",
-}
 
 
 class _Yaml(yaml.SafeLoader):
@@ -195,14 +177,8 @@ def check_words(defaults: Config, data: dict, where: str) -> None:
     """A key that takes a word, given a boolean (YAML's `true` or `false`), is refused naming the
     key and its values, rather than turned into the string 'True' or 'False'."""
     for name, value in _flat(data).items():
-        kind = _field_type(defaults, name)
-        words = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else ()
-        takes_word = (
-            words
-            or kind is str
-            or (typing.get_origin(kind) in (typing.Union, types.UnionType) and str in typing.get_args(kind))
-        )
-        if isinstance(value, bool) and takes_word:
+        kind, words = _field_type(defaults, name), _choices(defaults, name) or ()
+        if isinstance(value, bool) and (words or str in (kind, *typing.get_args(kind))):  # str, str | None
             choices = f"one of: {', '.join(words)}" if words else "a word or a path, not a boolean"
             field = dict((k, f) for k, f, _ in leaves(defaults)).get(name)
             doc = f" ({field.metadata['doc']})" if field is not None and "doc" in field.metadata else ""
