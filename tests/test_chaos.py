@@ -17,7 +17,7 @@ from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
-from conftest import SMALL
+from helpers import SMALL
 from test_multihost import CLEAN_ENV
 
 STEPS = 30

@@ -18,8 +18,7 @@ from podtrain.data.tokens import TokenStream, load_manifest
 from podtrain.train.metrics import read_metrics
 from podtrain.train.tasks.language import document_ids
 
-from conftest import SMALL
-from helpers import run_steps
+from helpers import SMALL, run_steps
 
 WORDS = [
     "the",

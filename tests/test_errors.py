@@ -52,7 +52,7 @@ def test_user_error_exits_2_without_traceback(case, tmp_path):
 
 
 def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
-    from conftest import SMALL
+    from helpers import SMALL
 
     run = tmp_path / "run"
     result = run_cli(

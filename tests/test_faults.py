@@ -33,7 +33,7 @@ def _args(small_overrides, run, steps):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A run of 4 steps with checkpoints at 2 and 4, and the losses of steps 3 and 4."""
-    from conftest import SMALL
+    from helpers import SMALL
 
     run = tmp_path_factory.mktemp("faults") / "run"
     train(load_config(None, _args(SMALL, run, 4)))

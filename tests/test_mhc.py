@@ -16,8 +16,7 @@ from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.state import model_fns
 
-from conftest import SMALL
-from helpers import run_steps
+from helpers import SMALL, run_steps
 
 MHC = SMALL + ["model.name=mhc", "model.streams=4"]
 

@@ -13,7 +13,7 @@ from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 from podtrain.train.loop import train
 
-from conftest import SMALL
+from helpers import SMALL
 
 
 def test_operations_add_up_to_the_step_and_name_their_source():

@@ -12,7 +12,7 @@ from podtrain.errors import RunInUse
 from podtrain.train.loop import train
 from podtrain.train.run import Run
 
-from conftest import SMALL
+from helpers import SMALL
 
 HOLD = (
     "import sys, time; from podtrain.train.run import Run; from podtrain.config.load import load_config\n"

@@ -11,7 +11,7 @@ MESHES = [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (2, 4, 1)]
 
 @pytest.fixture(scope="module")
 def reference():
-    from conftest import SMALL
+    from helpers import SMALL
 
     return run_steps(SMALL + ["mesh.data=1"], n_devices=1)
 

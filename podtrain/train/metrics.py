@@ -9,9 +9,23 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
-from tensorboardX import SummaryWriter
+
+def _summary_writer(**kwargs):
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch wherever it
+    is installed, only to accept its tensors (podtrain logs floats), and that costs every process
+    seconds at start."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hidden:
+            del sys.modules["torch"]
+    return SummaryWriter(**kwargs)
 
 
 class MetricsLog:
@@ -22,7 +36,7 @@ class MetricsLog:
             kept = [line for line in _records(path) if json.loads(line)["step"] <= start_step]
             path.write_text("".join(kept))
             self.jsonl = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
-            self.tb = SummaryWriter(logdir=str(run_dir), purge_step=start_step)
+            self.tb = _summary_writer(logdir=str(run_dir), purge_step=start_step)
 
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
