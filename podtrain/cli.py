@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, plan, generate, convert, checkpoints, plot, doctor, launch, data."""
+"""The `podtrain` command: train, plan, generate, convert, checkpoints, plot, doctor, profile, launch, data."""
 
 from __future__ import annotations
 
@@ -88,28 +88,15 @@ def _generate(args) -> None:
 
 
 def _convert(args) -> None:
-    from podtrain.tools.convert import export_hf, import_hf
+    from podtrain.tools.convert import command
 
-    if args.from_hf:
-        source, run_dir = args.from_hf
-        cfg, seconds = import_hf(source, run_dir, args.overrides)
-        print(
-            f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model "
-            f"{cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
-            f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, "
-            f"sample with `podtrain generate {run_dir}`."
-        )
-    else:
-        if args.overrides:
-            raise ConfigError(
-                f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides."
-            )
-        run_dir, out = args.to_hf
-        files, dtype = export_hf(run_dir, out, args.dtype)
-        print(
-            f"[podtrain] wrote {out}: config.json, {', '.join(files)} in {dtype}; load it with "
-            f"transformers.AutoModelForCausalLM.from_pretrained({out!r})."
-        )
+    command(args)
+
+
+def _profile(args) -> None:
+    from podtrain.tools.profile import profile
+
+    profile(_config(args), args.steps, args.top)
 
 
 def _plan(args) -> int:
@@ -197,6 +184,15 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("config", nargs="?", help="YAML config file (its mesh and device_type are used)")
     d.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     d.set_defaults(func=_doctor)
+
+    pr = sub.add_parser(
+        "profile", help="trace a few train steps with jax.profiler and list the ops that took the longest"
+    )
+    pr.add_argument("config", nargs="?", help="YAML config file (see configs/)")
+    pr.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    pr.add_argument("--steps", type=int, default=3, help="steps traced, after one that compiles (default 3)")
+    pr.add_argument("--top", type=int, default=10, help="ops listed (default 10)")
+    pr.set_defaults(func=_profile)
 
     add_data_commands(sub)
 
@@ -312,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = ("train", "plan", "generate", "convert", "checkpoints", "plot", "doctor", "launch", "data")
+COMMANDS = ("train", "plan", "generate", "convert", "checkpoints", "plot", "doctor", "profile", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

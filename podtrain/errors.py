@@ -48,3 +48,7 @@ class DoesNotFit(PodtrainError):
 
 class RunInUse(PodtrainError):
     """A run directory another job is writing."""
+
+
+class ChecksFailed(PodtrainError):
+    """A `doctor` check that failed; its line names the fix."""

@@ -1,4 +1,9 @@
-"""A small model, and a few training steps of it on a chosen set of devices, outside the CLI."""
+"""A small model; a few training steps of it on a chosen set of devices, outside the CLI; podtrain in a
+process of its own."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -37,3 +42,26 @@ def run_steps(overrides, n_devices, n_steps=3):
         state, metrics = step(state, batches[i])
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state["params"])
+
+
+# Children get their own fake device count from `launch`, no stray cluster variables, and the
+# tests' unoptimised compiles (conftest.py).
+LAUNCHER_VARS = ("XLA_FLAGS", "RANK", "WORLD_SIZE", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK")
+CLEAN_ENV = {
+    **{
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))
+    },
+    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+}
+
+
+def podtrain(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "podtrain", *args],
+        env={**CLEAN_ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )

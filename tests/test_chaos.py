@@ -17,8 +17,7 @@ from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
-from helpers import SMALL
-from test_multihost import CLEAN_ENV
+from helpers import CLEAN_ENV, SMALL
 
 STEPS = 30
 ARGS = [

@@ -25,30 +25,9 @@ from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
 from podtrain.train.tasks.sampling import sample
 
-from helpers import SMALL, run_steps
+from helpers import CLEAN_ENV, SMALL, podtrain, run_steps
 
 TESTS = Path(__file__).parent
-# Children get their own fake device count from `launch`, no stray cluster variables, and the
-# tests' unoptimised compiles (conftest.py).
-LAUNCHER_VARS = ("XLA_FLAGS", "RANK", "WORLD_SIZE", "NODE_RANK", "NPROC_PER_NODE", "LOCAL_RANK")
-CLEAN_ENV = {
-    **{
-        k: v
-        for k, v in os.environ.items()
-        if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))
-    },
-    "XLA_FLAGS": "--xla_backend_optimization_level=0",
-}
-
-
-def podtrain(*args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "podtrain", *args],
-        env={**CLEAN_ENV, **(env or {})},
-        capture_output=True,
-        text=True,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("nproc,per_proc,mesh", [(2, 4, (2, 2, 2)), (4, 2, (1, 4, 2))])
@@ -278,7 +257,8 @@ def test_torchrun_variables():
 
 
 def test_launch_training_script_joins_two_nodes(tmp_path):
-    """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK."""
+    """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK: `podtrain
+    doctor` on their two processes."""
     from podtrain.tools.launch import free_port
 
     env = {
@@ -291,7 +271,7 @@ def test_launch_training_script_joins_two_nodes(tmp_path):
     script = str(TESTS.parent / "scripts" / "launch_training.sh")
     nodes = [
         subprocess.Popen(
-            [script, "doctor", "device_type=cpu", "distributed.init_timeout=60"],
+            [script, "doctor", *SMALL, "distributed.init_timeout=60"],
             env={**env, "NODE_RANK": str(rank)},
             cwd=tmp_path,
             stdout=subprocess.PIPE,
@@ -302,5 +282,8 @@ def test_launch_training_script_joins_two_nodes(tmp_path):
     ]
     outputs = [node.communicate(timeout=120)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    assert "[0] [doctor] 2/2 processes got the right all-reduce" in outputs[0]
-    assert "[1] [doctor] process 1/2" in outputs[1]
+    # doctor's every check passes on two processes, the gradient sync against one device's step
+    checks = re.findall(r"^\[0\] \[doctor\] ✓ ([\w -]+):", outputs[0], re.M)
+    assert checks == ["devices", "data", "train step", "grad sync", "checkpoint", "all-reduce"], outputs[0]
+    assert "the 2-device step's update equals a 1-device step's" in outputs[0]
+    assert "[0] [doctor] all 6 checks passed, 2 processes" in outputs[0]

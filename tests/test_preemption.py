@@ -12,8 +12,7 @@ from podtrain.errors import Preempted
 from podtrain.train import preemption
 from podtrain.train.metrics import read_metrics
 
-from helpers import SMALL
-from test_multihost import CLEAN_ENV
+from helpers import CLEAN_ENV, SMALL
 
 ENDLESS = [
     *SMALL,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 import typing
@@ -111,9 +112,15 @@ def _select(layers: list[Any], name: str):
 
 
 def _choices(defaults: Config, name: str) -> tuple | None:
-    """The values a `Literal` key allows, or None for another kind of key."""
-    kind = _field_type(defaults, name)
+    """The values a `Literal` key (or each item of a list of them) allows, or None for another kind of key."""
+    kind = _field_type(defaults, re.sub(r"\[\d+\]$", "", name))
+    if typing.get_origin(kind) is list:
+        kind = typing.get_args(kind)[0]
     return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+
+
+def _is_list(defaults: Config, name: str) -> bool:
+    return typing.get_origin(_field_type(defaults, name)) is list
 
 
 def _merge(defaults: Config, layers: list[Any]) -> Config:
@@ -129,6 +136,11 @@ def _merge(defaults: Config, layers: list[Any]) -> Config:
             "docs/configuration.md lists the keys of each model."
         ) from None
     except ValidationError as e:
+        if _is_list(defaults, e.full_key):
+            example = ",".join(_choices(defaults, e.full_key) or ("A", "B"))
+            raise ConfigError(
+                f"Config key `{e.full_key}` takes a list, e.g. {e.full_key}=[{example}]; got {e.value!r}."
+            ) from None
         if choices := _choices(defaults, e.full_key):
             raise ConfigError(
                 f"Config key `{e.full_key}` is {e.value!r}; choose one of: {', '.join(choices)}."
@@ -241,7 +253,7 @@ def check_structure(data: dict, where: str) -> None:
             )
         for item_key, item in value.items() if section else [(None, value)]:
             full = f"{name}.{item_key}" if item_key is not None else str(name)
-            if isinstance(item, (dict, list)):
+            if isinstance(item, dict) or (isinstance(item, list) and not _is_list(Config(), full)):
                 raise ConfigError(
                     f"Config key `{full}` in {where} must be a single value (a number, string or boolean), "
                     f"not `{item!r}`."
@@ -290,8 +302,26 @@ def validate(cfg: Config) -> None:
             f"data.pack=documents keeps attention inside documents with a mask, which model.attention={attention} "
             "does not take; use model.attention=xla (or auto)."
         )
+    profile = t.profile_steps
+    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
+        raise ConfigError(
+            f"train.profile_steps={profile} is not [START, END] with 1 <= START <= END; e.g. "
+            "train.profile_steps=[10,12] traces steps 10 to 12."
+        )
+    if "wandb" in cfg.log.to and not _installed("wandb"):
+        raise ConfigError(
+            "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
+            "or leave wandb out of log.to."
+        )
     if data.source == "sudoku" and not data.path:
         raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec: blocked, as a test does to stand for its absence
+        return False
 
 
 def to_yaml(cfg: Config) -> str:

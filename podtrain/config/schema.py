@@ -51,12 +51,19 @@ class Range:
 
 def key(default, doc: str, valid: str | None = None):
     """A config key: its default, what it does, and for a number its valid values (a Range text,
-    e.g. "[0, 1)"); a malformed range fails at import."""
+    e.g. "[0, 1)"); a malformed range fails at import. A list default is copied for each config."""
     metadata: dict[str, Any] = {"doc": doc}
     if valid is not None:
         Range(valid)._parts()
         metadata["range"] = Range(valid)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def default_of(f: dataclasses.Field):
+    """A field's default value, also for one made by a factory (a list)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def same_key(cls, name: str, default):
@@ -128,6 +135,9 @@ class TrainConfig:
     eval_every: int = key(100, "steps between evaluations (0: only after the last step)", ">= 0")
     eval_batches: int = key(8, "batches per evaluation", ">= 1")
     max_bad_steps: int = key(3, "non-finite steps in a row (each skipped) before training stops", ">= 1")
+    profile_steps: list[int] = key(
+        [], "[START, END]: trace steps START to END (inclusive) with jax.profiler into RUN_DIR/profile; []: none"
+    )
 
 
 @dataclass
@@ -159,6 +169,17 @@ class DataConfig:
 
 
 @dataclass
+class LogConfig:
+    to: list[Literal["jsonl", "tensorboard", "wandb"]] = key(
+        ["jsonl", "tensorboard"],
+        "where metrics go, by process 0: RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR, Weights & Biases",
+    )
+    wandb_project: str = key("podtrain", "the W&B project of the run")
+    wandb_name: str = key("", "the W&B run's name (empty: the run directory's name)")
+    wandb_tags: list[str] = key([], "tags of the W&B run")
+
+
+@dataclass
 class DistributedConfig:
     init_timeout: int = key(300, "seconds for all processes to join the coordinator", ">= 1")
 
@@ -170,6 +191,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)  # the task's, by the family's task
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device_type: Literal["auto", "tpu", "gpu", "cuda", "cpu"] = key(
         "auto", "the devices to run on (auto: TPU, then GPU, then CPU); a forced one that is absent is an error"

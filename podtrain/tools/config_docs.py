@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from podtrain.config.schema import Config, ModelConfig, TrainConfig
+from podtrain.config.schema import Config, ModelConfig, TrainConfig, default_of
 from podtrain.models import MODELS
 
 INTRO = """\
@@ -83,6 +83,8 @@ NOTES = """\
 - `train.max_bad_steps`: a step whose loss or gradient norm is not finite is skipped (weights and
   optimizer unchanged, `skipped` in the metrics); this many in a row stop training.
 - `checkpoint.*`: orbax checkpoints.
+- `log.to`, `log.wandb_tags`, `train.profile_steps` take lists: `log.to=[jsonl,tensorboard,wandb]`
+  on the command line (no spaces), a YAML list in a file. docs/metrics.md has W&B and profiles.
 - `data.source=text`: `data.path` is a file or folder, tokenized in memory; the last
   `data.val_fraction` validates. `tokens` shards have their own split.
 """
@@ -95,6 +97,9 @@ def _type_and_choices(hint: Any) -> tuple[str, tuple]:
     if typing.get_origin(hint) is Literal:
         options = typing.get_args(hint)
         return type(options[0]).__name__, options
+    if typing.get_origin(hint) is list:
+        name, options = _type_and_choices(typing.get_args(hint)[0])
+        return f"list of {name}", options
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return _type_and_choices(next(arg for arg in typing.get_args(hint) if arg is not type(None)))
     return getattr(hint, "__name__", str(hint)), ()
@@ -109,6 +114,8 @@ def _value(value: Any) -> str:
         return f"`{value}`"
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, list):
+        return f"`[{','.join(map(str, value))}]`"
     return str(value)
 
 
@@ -134,7 +141,7 @@ def _table(cls: type, prefix: str, skip: set[str] = frozenset(), defaults=None, 
     """One row per field of dataclass `cls` not in `skip`; defaults[name] overrides the default shown."""
     hints, defaults, choices = typing.get_type_hints(cls), defaults or {}, choices or {}
     rows = [
-        _row(prefix + f.name, f, hints[f.name], defaults.get(f.name, _value(f.default)), choices.get(f.name, ()))
+        _row(prefix + f.name, f, hints[f.name], defaults.get(f.name, _value(default_of(f))), choices.get(f.name, ()))
         for f in dataclasses.fields(cls)
         if f.name not in skip and not dataclasses.is_dataclass(hints[f.name])
     ]

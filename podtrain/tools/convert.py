@@ -91,3 +91,27 @@ def export_hf(run_dir: str, out_dir: str, dtype: str | None = None) -> tuple[lis
     if tokenizer.file:
         keep_tokenizer(tokenizer, out)
     return files, dtype
+
+
+def command(args) -> None:
+    """`podtrain convert --from-hf SRC RUN_DIR [overrides]` or `--to-hf RUN_DIR OUT_DIR`, with what to do next."""
+    if args.from_hf:
+        source, run_dir = args.from_hf
+        cfg, seconds = import_hf(source, run_dir, args.overrides)
+        print(
+            f"[podtrain] {run_dir}: {cfg.model.name} with {cfg.model.n_layers} layers, d_model "
+            f"{cfg.model.d_model}, vocab {cfg.model.vocab_size}, weights read in {seconds:.1f} s. "
+            f"Fine-tune with `podtrain train {run_dir}/config.yaml run_dir=NEW train.init_from={run_dir} ...`, "
+            f"sample with `podtrain generate {run_dir}`."
+        )
+    else:
+        if args.overrides:
+            raise ConfigError(
+                f"--to-hf takes no key=value overrides (got {' '.join(args.overrides)}); the run's config.yaml decides."
+            )
+        run_dir, out = args.to_hf
+        files, dtype = export_hf(run_dir, out, args.dtype)
+        print(
+            f"[podtrain] wrote {out}: config.json, {', '.join(files)} in {dtype}; load it with "
+            f"transformers.AutoModelForCausalLM.from_pretrained({out!r})."
+        )

@@ -8,6 +8,7 @@ and the last metrics, which `train` returns.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import jax
 
@@ -15,9 +16,11 @@ from podtrain.config.load import default_config
 from podtrain.config.schema import Config
 from podtrain.errors import Preempted, TrainingDiverged
 from podtrain.train.checkpoint import Checkpointer
+from podtrain.train.goodput import Goodput
 from podtrain.train.job import Job
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
+from podtrain.train.profile import Trace
 from podtrain.train.state import weights
 from podtrain.train.trainer import StepEnd, Trainer
 
@@ -63,9 +66,18 @@ class Throughput:
 
 class TrainHooks:
     def __init__(
-        self, cfg: Config, job: Job, checkpointer: Checkpointer, log: MetricsLog, stop: StopRequests, ui, start: int
+        self,
+        cfg: Config,
+        job: Job,
+        checkpointer: Checkpointer,
+        log: MetricsLog,
+        stop: StopRequests,
+        ui,
+        start: int,
+        goodput: Goodput,
     ):
         self.cfg, self.job, self.checkpointer, self.log, self.stop = cfg, job, checkpointer, log, stop
+        self.goodput = goodput
         self.progress, self.bar, self.peak_flops = ui  # the rich Progress, its bar, the mesh's peak FLOP/s
         self.start = start
         self.window = Throughput(start)
@@ -83,6 +95,10 @@ class TrainHooks:
         trainer.add_hook(self.save, self.cfg.checkpoint.every)
         trainer.add_hook(self.advance_bar)
         trainer.add_hook(self.stop_if_asked)
+        if t.profile_steps and jax.process_index() == 0:  # one trace file name per host
+            trace = Trace(Path(self.cfg.run_dir) / "profile", *t.profile_steps, self.start, self.goodput)
+            trainer.add_hook(trace.after_step)
+        trainer.add_hook(self.goodput.after_step)  # last: the step's time includes its other hooks
 
     def after_compile(self, end: StepEnd) -> None:
         """The first step compiles: leave it out of the throughput."""
@@ -121,7 +137,9 @@ class TrainHooks:
         self.window.restart(end.done)
 
     def evaluate(self, end: StepEnd) -> None:
-        evals = self.job.evaluate(weights(end.state))
+        jax.block_until_ready(end.state)  # the step's own time is not the evaluation's
+        with self.goodput.charge("eval"):
+            evals = self.job.evaluate(weights(end.state))
         self.last.update(evals)
         self.evals = evals
         self.log.write({"step": end.done, **evals}, prefix="eval")
@@ -129,7 +147,9 @@ class TrainHooks:
         self.window.restart(end.done)
 
     def save(self, end: StepEnd) -> None:
-        self.checkpointer.save(end.state)
+        jax.block_until_ready(end.state)
+        with self.goodput.charge("checkpoint"):
+            self.checkpointer.save(end.state)
         self.saved = end.done
         self.window.restart(end.done)
 

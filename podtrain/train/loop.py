@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import closing, nullcontext
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from podtrain.interop import hf
 from podtrain.planning import fit
 from podtrain.train import optim
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
+from podtrain.train.goodput import Goodput, summary
 from podtrain.train.hooks import TrainHooks, fmt_metrics
 from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
@@ -83,21 +85,24 @@ def initial_weights(source: str, abstract_params, cfg: Config):
 
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps, resuming from the run's latest checkpoint. Returns the last metrics."""
+    goodput = Goodput()
     rt, cfg = on_this_machine(cfg)
     job = build(cfg, rt.mesh)
-    memory = fit.check(job, cfg, rt.devices)
+    with goodput.charge("compile"):
+        memory = fit.check(job, cfg, rt.devices)
     run = Run.of(cfg)
     if job.task.tokenizer is not None:
         run.check_tokenizer(job.task.tokenizer)
     with run.lock() if rt.is_main else nullcontext():  # one job per run directory; process 0 holds it
-        return _train(cfg, rt, run, job, memory)
+        return _train(cfg, rt, run, job, memory, goodput)
 
 
-def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory) -> dict:
+def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goodput) -> dict:
     t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     checkpointer = run.checkpointer()
-    state = resume(job, checkpointer, cfg, console.print)
+    with goodput.charge("checkpoint" if checkpointer.latest_step() is not None else "startup"):
+        state = resume(job, checkpointer, cfg, console.print)
     start = int(jax.device_get(state["step"]))
     if rt.is_main:
         run.keep(cfg, task.tokenizer)
@@ -118,7 +123,8 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory) -> dict:
             "or use a new run_dir."
         )
         return {"step": start}
-    log = MetricsLog(run.dir, start, rt.is_main)
+    log = MetricsLog(cfg, start, rt.is_main)
+    log.write({"step": start, **{f"{k}_bytes": v for k, v in dataclasses.asdict(memory).items()}}, prefix="memory")
     columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[status]}")]
     try:  # finish pending checkpoint writes and flush metrics, also on errors
         batches = task.batches.stream(start, t.steps, cfg.data.workers, cfg.data.prefetch)
@@ -128,14 +134,19 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory) -> dict:
             closing(batches),
         ):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
-            hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start)
+            hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start, goodput)
             trainer = Trainer(job.step)
             hooks.attach(trainer)
-            state = trainer.run(state, batches, start, t.steps)
+            state = trainer.run(state, goodput.steps(start, log.logged_past, batches), start, t.steps)
+        with goodput.charge("checkpoint"):
+            checkpointer.wait()
+        accounted = goodput.report()
+        log.write({"step": t.steps, **accounted}, prefix="goodput")
     finally:
         checkpointer.close()
         log.close()
     console.print(f"[podtrain] done: step {t.steps}, {fmt_metrics(hooks.evals)}, checkpoint in {cfg.checkpoint_dir}")
+    console.print(f"[podtrain] {summary(accounted)}")
     text = task.finish(job.setup.fns, weights(state))
     if text is not None:
         console.print("[podtrain] sample:\n" + text)

@@ -1,8 +1,10 @@
-"""Metrics to RUN_DIR/metrics.jsonl and TensorBoard events, written by process 0 only.
+"""Metrics to the loggers of `log.to`, written by process 0 only: RUN_DIR/metrics.jsonl,
+TensorBoard events in RUN_DIR, and Weights & Biases (podtrain.train.wandb_log).
 
 A resumed run continues the record of the step it resumed from: metrics.jsonl is rewritten
 without the lines past that step (logged before the run stopped, and about to be logged again),
-and TensorBoard is told to purge its events past it, so every step appears once.
+and TensorBoard is told to purge its events past it, so every step appears once. The last step
+logged before (`logged_past`) tells goodput how many steps the resume computes again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,67 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from podtrain.config.schema import Config
+from podtrain.train.wandb_log import WandbLog
+
+
+class Jsonl:
+    def __init__(self, path: Path, kept: list[str]):
+        path.write_text("".join(kept))
+        self.file = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
+
+    def write(self, record: dict, prefix: str) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoard:
+    def __init__(self, run_dir: Path, start_step: int):
+        self.writer = _summary_writer(logdir=str(run_dir), purge_step=start_step)
+
+    def write(self, record: dict, prefix: str) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricsLog:
+    def __init__(self, cfg: Config, start_step: int = 0, enabled: bool = True):
+        self.sinks: list = []
+        self.logged_past = start_step  # the last step logged before this run resumed at start_step
+        if not enabled:
+            return
+        run_dir = Path(cfg.run_dir)
+        path = run_dir / "metrics.jsonl"
+        records = _records(path)
+        steps = [json.loads(line)["step"] for line in records]
+        self.logged_past = max([start_step, *steps])
+        kept = [line for line, step in zip(records, steps) if step <= start_step]
+        loggers = {
+            "jsonl": lambda: Jsonl(path, kept),
+            "tensorboard": lambda: TensorBoard(run_dir, start_step),
+            "wandb": lambda: WandbLog(run_dir, cfg),
+        }
+        self.sinks = [loggers[name]() for name in dict.fromkeys(cfg.log.to)]
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        record = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+        }  # strict JSON
+        for sink in self.sinks:
+            sink.write(record, prefix)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def _summary_writer(**kwargs):
@@ -26,35 +89,6 @@ def _summary_writer(**kwargs):
         if hidden:
             del sys.modules["torch"]
     return SummaryWriter(**kwargs)
-
-
-class MetricsLog:
-    def __init__(self, run_dir: Path, start_step: int = 0, enabled: bool = True):
-        self.enabled = enabled
-        if enabled:
-            path = Path(run_dir) / "metrics.jsonl"
-            kept = [line for line in _records(path) if json.loads(line)["step"] <= start_step]
-            path.write_text("".join(kept))
-            self.jsonl = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
-            self.tb = _summary_writer(logdir=str(run_dir), purge_step=start_step)
-
-    def write(self, record: dict, prefix: str = "train") -> None:
-        if not self.enabled:
-            return
-        record = {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
-        }  # strict JSON
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.tb.add_scalar(f"{prefix}/{key}", value, record["step"])
-        self.tb.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.jsonl.close()
-            self.tb.close()
 
 
 def _records(path: Path) -> list[str]:
