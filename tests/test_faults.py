@@ -1,6 +1,7 @@
 """Damaged checkpoints are found by their checksums, set aside and skipped; a resume with other
 shapes names the keys; remote checkpoint paths reach orbax untouched; `podtrain checkpoints`."""
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -13,8 +14,8 @@ from podtrain.errors import CheckpointError
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
-# orbax leaves the reads of a damaged file's other chunks to be collected later; they are not errors here.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# A damaged checkpoint's failed reads end quietly: a callback into a closed event loop is an error here.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
 
 def _args(small_overrides, run, steps):
@@ -85,6 +86,30 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
     assert (run / "checkpoints" / "4.damaged" / "params").is_dir()  # kept for a post-mortem
     assert last["loss"] == pytest.approx(trained[1][4], abs=1e-6)  # steps 3 and 4 again, the same
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_a_failed_read_comes_back_after_its_sibling_reads_have_ended(tmp_path):
+    """orbax closes its event loop only once the reads it started have ended, so that none of
+    them calls back into a closed loop (a traceback each on the terminal)."""
+    from orbax.checkpoint._src import asyncio_utils
+    from podtrain.train.checkpoint import Checkpointer
+
+    Checkpointer(tmp_path).close()
+    ended = []
+
+    async def sibling():
+        await asyncio.sleep(0.05)
+        ended.append("sibling")
+
+    async def truncated():
+        raise OSError("a truncated chunk")
+
+    async def reads():
+        await asyncio.gather(sibling(), truncated())
+
+    with pytest.raises(OSError, match="truncated chunk"):
+        asyncio_utils.run_sync(reads())
+    assert ended == ["sibling"]
 
 
 def test_no_intact_checkpoint_lists_what_was_found_and_renames_nothing(trained, small_overrides, tmp_path):

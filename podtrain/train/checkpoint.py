@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain.errors import CheckpointError
 from podtrain.train.digest import checksums, fingerprint, leaf_name
+from podtrain.train.orbax_loops import finish_tasks_before_closing
 
 DIGEST = "digest"
 ITEMS = ("params", "opt", "ema", "carry")  # every item a state may have
@@ -81,6 +82,7 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
 
 class Checkpointer:
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
+        finish_tasks_before_closing()  # a damaged step's failed reads come back without a traceback per read
         self.directory = location(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         try:
