@@ -31,6 +31,10 @@ class CheckpointError(PodtrainError):
     """A run directory or checkpoint that cannot be used."""
 
 
+class DiskFull(CheckpointError):
+    """A checkpoint the disk had no room for."""
+
+
 class DistributedError(PodtrainError):
     """A half-set multi-process environment, or processes that cannot join each other."""
 
