@@ -1,10 +1,14 @@
-"""Run a few training steps on a chosen set of devices, outside the CLI."""
+"""Run a few training steps on a chosen set of devices, outside the CLI; what no command may print."""
 
 import jax
 import numpy as np
 from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
+
+# What libtpu prints when JAX wakes it on a machine without a TPU, and JAX's persistent-cache
+# warning: no command may show them.
+NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "E0000", "persistent compilation cache")
 
 
 def trainer(overrides, n_devices):
