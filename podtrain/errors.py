@@ -39,6 +39,13 @@ class DistributedError(PodtrainError):
     """A half-set multi-process environment, or processes that cannot join each other."""
 
 
+class PeerLost(DistributedError):
+    """Another process of the job died mid-collective. Nothing here is the user's to fix and a
+    restart recovers, so the exit code is an ordinary failure's (1), which `launch --max-restarts` restarts."""
+
+    exit_code = 1
+
+
 class Preempted(PodtrainError):
     """Stopped by SIGTERM or SIGINT after saving a checkpoint; rerunning the same command resumes.
     The exit code is EX_TEMPFAIL, "try again", distinct from errors (2) and from being killed (128 + signal)."""

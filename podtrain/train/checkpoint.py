@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from podtrain.errors import CheckpointError
 from podtrain.train import disk
 from podtrain.train.digest import checksums, fingerprint, leaf_name
-from podtrain.train.orbax_loops import finish_tasks_before_closing
+from podtrain.train.orbax_quiet import quiet_orbax
 
 DIGEST = "digest"
 ITEMS = ("params", "opt", "ema", "carry")  # every item a state may have
@@ -84,8 +84,7 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
 
 class Checkpointer:
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
-        finish_tasks_before_closing()  # a damaged step's failed reads come back without a traceback per read
-        disk.quiet_orbax_about_full_disks()
+        quiet_orbax()  # of the faults podtrain reports itself: damaged steps, full disks, saves cut short
         self.directory = location(directory)
         self.pending, self.needed, self.warned = None, 0, False  # the last step saved; its bytes; space warned of
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)

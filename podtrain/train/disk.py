@@ -1,23 +1,21 @@
 """A checkpoint that does not fit its disk: a warning before the save, one paragraph after it fails.
 
-orbax writes a checkpoint in background threads. A full disk fails the writes there, and orbax logs
-each failed operation with its traceback and tensorstore spec (hundreds of lines) before the error
-reaches podtrain at the next save or at the end of the run. Those records are kept from the
-terminal: the failure is podtrain's to report, with the free space against what a checkpoint needs
-and the step a rerun resumes from.
+orbax writes a checkpoint in background threads. A full disk fails the writes there; the error
+reaches podtrain at the next save or at the end of the run, and is reported with the free space
+against what a checkpoint needs and the step a rerun resumes from (orbax's own records of it are
+dropped by podtrain.train.orbax_quiet).
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import shutil
 from pathlib import Path
 
 from podtrain.errors import DiskFull
 
 
-def _says_full(text: str) -> bool:
+def says_full(text: str) -> bool:
     return "No space left on device" in text  # strerror(ENOSPC), as tensorstore's messages quote it
 
 
@@ -25,7 +23,7 @@ def is_full(error: BaseException | None) -> bool:
     """Whether an error, or one it arose from, is a full disk: ENOSPC from Python's writes, or
     tensorstore's RESOURCE_EXHAUSTED "Failed writing ... No space left on device"."""
     while error is not None:
-        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or _says_full(str(error)):
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or says_full(str(error)):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -78,16 +76,3 @@ def full_disk(step: int, directory: str, needed: int, intact: int | None) -> Dis
         f"({mib(free_bytes(directory))} free, a checkpoint of this run needs about {mib(needed)}). {kept} once there "
         "is room: free some space there (a lower checkpoint.keep keeps fewer) or set checkpoint.dir to a larger disk."
     )
-
-
-class _NotAFullDisk(logging.Filter):
-    """Drops orbax's records of a full disk (each with its traceback); podtrain reports it once."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (is_full(record.exc_info[1] if record.exc_info else None) or _says_full(record.getMessage()))
-
-
-def quiet_orbax_about_full_disks() -> None:
-    logger = logging.getLogger("absl")  # orbax logs through absl's logger
-    if not any(isinstance(f, _NotAFullDisk) for f in logger.filters):
-        logger.addFilter(_NotAFullDisk())

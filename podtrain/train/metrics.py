@@ -3,12 +3,18 @@
 A resumed run continues the record of the step it resumed from: metrics.jsonl is rewritten
 without the lines past that step (logged before the run stopped, and about to be logged again),
 and TensorBoard is told to purge its events past it, so every step appears once.
+
+What faults cost is kept too: a run that resumes after a restart by `podtrain launch` (which sets
+PODTRAIN_RESTART) or with steps to do again writes {"step", "restarts", "recomputed_steps"} at the
+step it resumed from, both counted over the run's life: automatic restarts, and the steps logged
+before a stop past the checkpoint it resumed from.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tensorboardX import SummaryWriter
@@ -19,10 +25,27 @@ class MetricsLog:
         self.enabled = enabled
         if enabled:
             path = Path(run_dir) / "metrics.jsonl"
-            kept = [line for line in _records(path) if json.loads(line)["step"] <= start_step]
-            path.write_text("".join(kept))
+            lines = _records(path)
+            records = [json.loads(line) for line in lines]
+            path.write_text("".join(line for line, r in zip(lines, records) if r["step"] <= start_step))
             self.jsonl = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
             self.tb = SummaryWriter(logdir=str(run_dir), purge_step=start_step)
+            self._count_faults(records, start_step)
+
+    def _count_faults(self, records: list[dict], start_step: int) -> None:
+        """The restarts and recomputed steps so far, with this start's, where it is a restart or redoes steps."""
+        restarted = int(os.environ.get("PODTRAIN_RESTART", "0")) > 0
+        redone = max((r["step"] for r in records), default=start_step) - start_step
+        if restarted or redone > 0:
+            before = [r for r in records if "restarts" in r]
+            self.write(
+                {
+                    "step": start_step,
+                    "restarts": max((r["restarts"] for r in before), default=0) + restarted,
+                    "recomputed_steps": max((r["recomputed_steps"] for r in before), default=0) + max(redone, 0),
+                },
+                prefix="faults",
+            )
 
     def write(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
