@@ -88,6 +88,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
     assert (run / "checkpoints" / "4.damaged" / "params").is_dir()  # kept for a post-mortem
     assert last["loss"] == pytest.approx(trained[1][4], abs=1e-6)  # steps 3 and 4 again, the same
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["restarts"], r["recomputed_steps"]) for r in read_metrics(run) if "restarts" in r] == [
+        (2, 0, 2)  # steps 3 and 4, logged before and computed again
+    ]
 
 
 def test_a_failed_read_comes_back_after_its_sibling_reads_have_ended(tmp_path):
