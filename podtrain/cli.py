@@ -55,14 +55,13 @@ def _launch(args) -> int:
         raise ConfigError(
             "Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`."
         )
-    log_dir = args.log_dir or (
-        Path(_config(_parse(command)).run_dir) / "logs" if command[0] == "train" else "runs/launch"
-    )
+    cfg = _config(_parse(command)) if command[0] == "train" else None
+    log_dir = args.log_dir or (Path(cfg.run_dir) / "logs" if cfg else "runs/launch")
     if command[0] in COMMANDS:
         command = [sys.executable, "-m", "podtrain", *command]
-    return launch(
-        command, args.nproc, Path(log_dir), args.devices_per_proc, args.nnodes, args.node_rank, args.coordinator
-    )
+    options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts")
+    where = cfg.checkpoint_dir if cfg else None  # names the step a restart resumes from
+    return launch(command, Path(log_dir), checkpoint_dir=where, **{name: getattr(args, name) for name in options})
 
 
 def _generate(args) -> None:
@@ -202,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with "
             "the variables that join them; "
-            "stream their output with a rank prefix; stop them all if one fails."
+            "stream their output with a rank prefix; stop them all if one fails (and restart, with --max-restarts)."
         ),
     )
     la.add_argument("--nproc", type=int, required=True, help="processes on this node")
@@ -215,6 +214,7 @@ def parser() -> argparse.ArgumentParser:
     la.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
     la.add_argument("--coordinator", help="HOST:PORT of node 0 (default: 127.0.0.1 and a free port, for one node)")
     la.add_argument("--log-dir", help="where process_<rank>.log go (default: RUN_DIR/logs for train, else runs/launch)")
+    la.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restarts after a failure (not exit 2/75)")
     la.add_argument(
         "command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs"
     )

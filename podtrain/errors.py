@@ -31,8 +31,19 @@ class CheckpointError(PodtrainError):
     """A run directory or checkpoint that cannot be used."""
 
 
+class DiskFull(CheckpointError):
+    """A checkpoint the disk had no room for."""
+
+
 class DistributedError(PodtrainError):
     """A half-set multi-process environment, or processes that cannot join each other."""
+
+
+class PeerLost(DistributedError):
+    """Another process of the job died mid-collective. Nothing here is the user's to fix and a
+    restart recovers, so the exit code is an ordinary failure's (1), which `launch --max-restarts` restarts."""
+
+    exit_code = 1
 
 
 class Preempted(PodtrainError):

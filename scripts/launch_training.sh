@@ -6,6 +6,7 @@
 #   NPROC_PER_NODE  processes on this node (default 1: one process drives all local devices)
 #   MASTER_ADDR     address of node 0 that every node can reach
 #   MASTER_PORT     free port on node 0 for the JAX coordinator (default 29500)
+#   PODTRAIN_MAX_RESTARTS  restarts of this node's processes after one dies (default 0; see `podtrain launch --help`)
 #
 #   scripts/launch_training.sh configs/llama_1b.yaml train.steps=1000   # `train` is implied
 #   scripts/launch_training.sh doctor                                   # or name the command
@@ -33,4 +34,4 @@ case "${1:-}" in
 esac
 
 exec $PODTRAIN launch --nproc "$NPROC_PER_NODE" --nnodes "$((WORLD_SIZE / NPROC_PER_NODE))" --node-rank "$NODE_RANK" \
-  --coordinator "$MASTER_ADDR:$MASTER_PORT" -- "$@"
+  --coordinator "$MASTER_ADDR:$MASTER_PORT" --max-restarts "${PODTRAIN_MAX_RESTARTS:-0}" -- "$@"

@@ -1,5 +1,5 @@
 """A small model; a few training steps of it on a chosen set of devices, outside the CLI; podtrain in a
-process of its own."""
+process of its own; what no command may print."""
 
 import os
 import subprocess
@@ -24,6 +24,9 @@ SMALL = [
     "model.compute_dtype=float32",
     "device_type=cpu",
 ]
+# What libtpu prints when JAX wakes it on a machine without a TPU, and JAX's persistent-cache
+# warning: no command may show them.
+NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "E0000", "persistent compilation cache")
 
 
 def trainer(overrides, n_devices):

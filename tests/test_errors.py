@@ -52,7 +52,8 @@ def test_user_error_exits_2_without_traceback(case, tmp_path):
 
 
 def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
-    from helpers import SMALL
+    """...and `checkpoints` and `generate` over the run it leaves print none of libtpu's warnings."""
+    from helpers import NOISE, SMALL
 
     run = tmp_path / "run"
     result = run_cli(
@@ -71,3 +72,11 @@ def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
     assert "was not finite at steps 2 to 4" in result.stderr and "Traceback" not in result.stderr
     assert "Likely cause: train.lr=1e+12 is" in result.stderr  # far above the default
     assert (run / "checkpoints" / "4").is_dir() and (run / "metrics.jsonl").read_text().count("\n") >= 1
+
+    # The other commands over the run it left, as quiet as train on a machine without a TPU.
+    listing = run_cli("checkpoints", str(run))
+    sampled = run_cli("generate", str(run), "--max-new-tokens", "4")
+    assert listing.returncode == sampled.returncode == 0 and "verified" in listing.stdout, listing.stderr
+    for done in (result, listing, sampled):
+        for noise in NOISE:
+            assert noise not in done.stdout + done.stderr, done.stderr[-2000:]

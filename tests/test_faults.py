@@ -1,7 +1,10 @@
 """Damaged checkpoints are found by their checksums, set aside and skipped; a resume with other
 shapes names the keys; remote checkpoint paths reach orbax untouched; `podtrain checkpoints`."""
 
+import asyncio
+import errno
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -9,12 +12,12 @@ import numpy as np
 import pytest
 from podtrain.cli import main
 from podtrain.config.load import load_config
-from podtrain.errors import CheckpointError
+from podtrain.errors import CheckpointError, DiskFull
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 
-# orbax leaves the reads of a damaged file's other chunks to be collected later; they are not errors here.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# A damaged checkpoint's failed reads end quietly: a callback into a closed event loop is an error here.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 
 
 def _args(small_overrides, run, steps):
@@ -84,6 +87,68 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
     )
     assert (run / "checkpoints" / "4.damaged" / "params").is_dir()  # kept for a post-mortem
     assert last["loss"] == pytest.approx(trained[1][4], abs=1e-6)  # steps 3 and 4 again, the same
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    assert [(r["step"], r["restarts"], r["recomputed_steps"]) for r in read_metrics(run) if "restarts" in r] == [
+        (2, 0, 2)  # steps 3 and 4, logged before and computed again
+    ]
+
+
+def test_a_failed_read_comes_back_after_its_sibling_reads_have_ended(tmp_path):
+    """orbax closes its event loop only once the reads it started have ended, so that none of
+    them calls back into a closed loop (a traceback each on the terminal)."""
+    from orbax.checkpoint._src import asyncio_utils
+    from podtrain.train.checkpoint import Checkpointer
+
+    Checkpointer(tmp_path).close()
+    ended = []
+
+    async def sibling():
+        await asyncio.sleep(0.05)
+        ended.append("sibling")
+
+    async def truncated():
+        raise OSError("a truncated chunk")
+
+    async def reads():
+        await asyncio.gather(sibling(), truncated())
+
+    with pytest.raises(OSError, match="truncated chunk"):
+        asyncio_utils.run_sync(reads())
+    assert ended == ["sibling"]
+
+
+def test_a_full_disk_stops_the_run_with_one_paragraph(small_overrides, tmp_path, monkeypatch, capsys, caplog):
+    """The disk fills up once step 2 is saved: a warning before the save of step 4, whose writer
+    fails with ENOSPC in orbax's background thread; the run ends with one paragraph naming the
+    step, the free space and the newest intact step, no orbax record, and the partial save gone."""
+    from orbax.checkpoint._src.serialization import serialization
+    from podtrain.train import disk
+
+    run = tmp_path / "run"
+
+    def full() -> bool:
+        return (run / "checkpoints" / "2").is_dir()
+
+    write, usage = serialization.async_serialize_from_host, shutil.disk_usage
+
+    async def writer(*args, **kwargs):
+        if full():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await write(*args, **kwargs)
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", writer)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: usage(path)._replace(free=0) if full() else usage(path))
+    args = [*_args(small_overrides, run, 4), "checkpoint.async_save=true"]
+    with pytest.raises(
+        DiskFull,
+        match=r"checkpoint of step 4 could not be written to .*checkpoints: its disk is full \(0.0 MiB free, a "
+        r"checkpoint of this run needs about 0.3 MiB\). The newest intact checkpoint is step 2; run the same",
+    ):
+        train(load_config(None, args))
+    err = capsys.readouterr().err
+    assert "has 0.0 MiB free and a checkpoint of this run takes about 0.3 MiB: the save of step 4 will" in err
+    assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
 
 

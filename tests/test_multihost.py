@@ -159,6 +159,7 @@ def test_resume_on_another_process_count(tmp_path):
 
 
 def test_launch_fails_fast_when_a_process_dies(tmp_path):
+    """With no restart allowed: a non-zero exit soon after the kill, and no process left."""
     run = tmp_path / "run"
     launcher = subprocess.Popen(
         [
@@ -170,6 +171,8 @@ def test_launch_fails_fast_when_a_process_dies(tmp_path):
             "2",
             "--devices-per-proc",
             "4",
+            "--max-restarts",
+            "0",
             "--",
             "train",
             *SMALL,
@@ -194,7 +197,7 @@ def test_launch_fails_fast_when_a_process_dies(tmp_path):
     rest = launcher.communicate(timeout=60)[0]
     assert time.monotonic() - killed < 30
     assert launcher.returncode != 0
-    assert "process 1 ended with signal SIGKILL" in rest
+    assert "process 1 ended with signal SIGKILL" in rest and "restarting" not in rest
     time.sleep(0.5)
     assert not Path(f"/proc/{pids[0]}").exists() or "Z" in Path(f"/proc/{pids[0]}/stat").read_text().split()[2]
 

@@ -1,14 +1,18 @@
 """One writer per run directory: a job holds RUN_DIR/.lock while it runs; a second job on the
 same directory is refused at once, naming the holder, and touches nothing; a killed holder leaves
-no stale lock."""
+no stale lock. Where the lock does not reach from host to host, the file's lease does."""
 
+import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import RunInUse
+from podtrain.train import lease
 from podtrain.train.loop import train
 from podtrain.train.run import Run
 
@@ -40,3 +44,29 @@ def test_a_killed_holder_leaves_the_lock_free(tmp_path):
         holder.wait()
     with Run(tmp_path, None).lock():  # the OS released it with the process
         pass
+
+
+OTHER_HOST = "host node-7, pid 4242, since 2026-11-25 09:00:00"  # a job whose flock this host cannot see
+
+
+def test_a_fresh_lease_of_another_host_is_refused_and_a_stale_one_taken_over(tmp_path, capsys):
+    (tmp_path / ".lock").write_text(OTHER_HOST + "\n")
+    refused = r"in use by another job \(host node-7, pid 4242, .*renewed \d+ s ago\)"
+    with pytest.raises(RunInUse, match=refused), Run(tmp_path, None).lock():
+        pass
+    assert (tmp_path / ".lock").read_text() == OTHER_HOST + "\n"  # untouched
+
+    silent = time.time() - lease.STALE_S - 1
+    os.utime(tmp_path / ".lock", (silent, silent))
+    with Run(tmp_path, None).lock():
+        assert (tmp_path / ".lock").read_text().startswith(f"host {socket.gethostname()}, pid {os.getpid()},")
+    assert "taking over" in (err := capsys.readouterr().err) and f"({OTHER_HOST})" in err
+    assert (tmp_path / ".lock").read_text() == ""  # cleared at the end: free for any host at once
+
+
+def test_the_lease_is_renewed_while_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "RENEW_S", 0.05)
+    with Run(tmp_path, None).lock():
+        os.utime(tmp_path / ".lock", (0, 0))
+        time.sleep(0.3)
+        assert time.time() - (tmp_path / ".lock").stat().st_mtime < 1

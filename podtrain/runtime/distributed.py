@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import jax
 
-from podtrain.errors import DistributedError
+from podtrain.errors import DistributedError, PeerLost
 
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_INDEX")
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NODE_RANK", "NPROC_PER_NODE")
 # JAX's own deadline aborts the process from C++; ours fires first and exits with a message.
 JAX_GRACE_S = 30
+# What a collective says when another process's end closed its socket under gloo.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
 
 
 @dataclass(frozen=True)
@@ -217,3 +219,20 @@ def _initialize_detected(timeout: int) -> Processes | None:
         jax.process_index(),
         "detected by jax.distributed",
     )
+
+
+@contextlib.contextmanager
+def peer_loss_in_one_line():
+    """A collective that fails because another process of the job died ends this process with one
+    line instead of JAX's traceback: the launch names the process that died (and restarts the job
+    where asked to), so the survivors have only that to say."""
+    try:
+        yield
+    except Exception as e:  # JAX's runtime error in a step, a ValueError in orbax's barrier
+        if jax.process_count() == 1 or not any(words in str(e) for words in PEER_GONE):
+            raise
+        raise PeerLost(
+            f"process {jax.process_index()} of {jax.process_count()} lost another process of the job "
+            f"({str(e).strip().splitlines()[0][:160]}). Rerun the job to resume from its newest checkpoint, or launch "
+            "it with `podtrain launch --max-restarts N` to have that done for you."
+        ) from None

@@ -6,6 +6,12 @@ a rank prefix and written to one log file per process. The launch fails fast: wh
 exits with an error, the others are stopped and the launch exits non-zero, since the survivors
 would otherwise wait for it in their next collective. A process that stops after saving on
 SIGTERM (errors.Preempted) is not a failure: the others are saving at the same step.
+
+With max_restarts N, a job one of whose processes died (a signal) or failed with an error a rerun
+can fix is killed whole and started again, up to N times, on a fresh coordinator port: training
+resumes from the newest intact checkpoint by itself. A user error (exit 2) is not restarted, nor a
+stop on request (75), which is passed on. Each process of the k-th restart gets PODTRAIN_RESTART=k
+(training records the restarts and the steps they recompute in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from podtrain.errors import ConfigError, Preempted
+from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 STOP_GRACE_S = 5
 
@@ -46,13 +52,21 @@ def gpus_per_process(nproc: int, devices_per_proc: int | None) -> int:
 
 
 def child_env(
-    base: dict, coordinator: str, count: int, rank: int, local_rank: int, devices_per_proc: int | None, gpus: int
+    base: dict,
+    coordinator: str,
+    count: int,
+    rank: int,
+    local_rank: int,
+    devices_per_proc: int | None,
+    gpus: int,
+    restart: int = 0,
 ) -> dict:
     env = {
         **base,
         "JAX_COORDINATOR_ADDRESS": coordinator,
         "JAX_PROCESS_COUNT": str(count),
         "JAX_PROCESS_INDEX": str(rank),
+        "PODTRAIN_RESTART": str(restart),
         "PYTHONUNBUFFERED": "1",
     }
     if devices_per_proc:
@@ -69,17 +83,26 @@ def _exit_status(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def resume_point(checkpoint_dir: str | None) -> str:
+    """Where a restarted training job resumes: its newest complete checkpoint (orbax gives a step
+    its number only once it is complete; one found damaged on resume is skipped by training)."""
+    if not checkpoint_dir or "://" in checkpoint_dir:
+        return "its newest checkpoint"
+    steps = [int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()] if os.path.isdir(checkpoint_dir) else []
+    return f"step {max(steps)}, its newest checkpoint" if steps else "step 0 (no checkpoint yet)"
+
+
 class _Process:
     """One child, its output streamed with a `[rank]` prefix to stdout and to its log file."""
 
-    def __init__(self, argv: list[str], env: dict, rank: int, log_path: Path, lock: threading.Lock):
+    def __init__(self, argv: list[str], env: dict, rank: int, log_path: Path, lock: threading.Lock, append: bool):
         self.rank = rank
         self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.reader = threading.Thread(target=self._stream, args=(log_path, lock), daemon=True)
+        self.reader = threading.Thread(target=self._stream, args=(log_path, lock, append), daemon=True)
         self.reader.start()
 
-    def _stream(self, log_path: Path, lock: threading.Lock) -> None:
-        with open(log_path, "wb") as log:
+    def _stream(self, log_path: Path, lock: threading.Lock, append: bool) -> None:
+        with open(log_path, "ab" if append else "wb") as log:  # a restart's output follows the crash's
             for line in self.popen.stdout:
                 log.write(line)
                 log.flush()
@@ -88,48 +111,63 @@ class _Process:
                     sys.stdout.flush()
 
 
-def _stop(processes: list[_Process]) -> None:
+def _stop(processes: list[_Process], grace: float = STOP_GRACE_S) -> None:
+    """Terminate the processes still alive, killed after `grace` seconds (at once with none)."""
     alive = [p.popen for p in processes if p.popen.poll() is None]
     for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
+        p.terminate() if grace else p.kill()
+    deadline = time.monotonic() + grace
     for p in alive:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for p in processes:
+        p.reader.join(timeout=STOP_GRACE_S)
+
+
+def _wait(processes: list[_Process]) -> _Process | None:
+    """The first process to fail, or None once all have succeeded or stopped on request. Of those
+    found failed at once, one killed by a signal is taken first: the others' errors follow from it."""
+    while True:
+        codes = [p.popen.poll() for p in processes]
+        failed = [p for p, code in zip(processes, codes) if code not in (None, 0, Preempted.exit_code)]
+        if failed or None not in codes:
+            return min(failed, key=lambda p: p.popen.returncode >= 0, default=None)
+        time.sleep(0.1)
 
 
 def launch(
     argv: list[str],
-    nproc: int,
     log_dir: Path,
+    nproc: int,
     devices_per_proc: int | None = None,
     nnodes: int = 1,
     node_rank: int = 0,
     coordinator: str | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | None = None,
 ) -> int:
-    """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc.
-    Returns 0 when all succeed, else the exit status of the first to fail."""
-    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+    """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
+    restarting the job up to max_restarts times (see the module's docstring; `checkpoint_dir`, where
+    known, names the step a restart resumes from). Returns 0 when all succeed, 75 when they stopped
+    on request, else the exit status of the first to fail."""
+    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(
-            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}: "
-            "need nproc >= 1, nnodes >= 1 and 0 <= node-rank < nnodes."
+            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}, --max-restarts={max_restarts}: "
+            "need nproc >= 1, nnodes >= 1, 0 <= node-rank < nnodes and max-restarts >= 0."
         )
     if nnodes > 1 and not coordinator:
         raise ConfigError(
             "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can "
             "reach (or MASTER_ADDR and MASTER_PORT)."
         )
-    coordinator = coordinator or f"127.0.0.1:{free_port()}"
     gpus = gpus_per_process(nproc, devices_per_proc)
     log_dir.mkdir(parents=True, exist_ok=True)
     count, base, lock = nnodes * nproc, dict(os.environ), threading.Lock()
-    print(
-        f"[launch] {nproc} of {count} processes on this node, coordinator {coordinator}, logs in {log_dir}/", flush=True
-    )
-    processes: list[_Process] = []
+    print(f"[launch] {nproc} of {count} processes on this node, logs in {log_dir}/", flush=True)
+    processes: list[_Process] = []  # the running attempt's
     asked: list[int] = []
 
     def forward(signum, _frame):
@@ -150,26 +188,33 @@ def launch(
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     try:
-        for local_rank in range(nproc):
-            rank = node_rank * nproc + local_rank
-            env = child_env(base, coordinator, count, rank, local_rank, devices_per_proc, gpus)
-            processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock))
-            print(f"[launch] process {rank}: pid {processes[-1].popen.pid}", flush=True)
-        while True:
-            codes = [p.popen.poll() for p in processes]
-            failed = next((p for p, code in zip(processes, codes) if code not in (None, 0, Preempted.exit_code)), None)
-            if failed:
-                code = failed.popen.returncode
+        for restart in range(max_restarts + 1):
+            address = coordinator or f"127.0.0.1:{free_port()}"  # a fresh port: the old one may linger
+            for local_rank in range(nproc):
+                rank = node_rank * nproc + local_rank
+                env = child_env(base, address, count, rank, local_rank, devices_per_proc, gpus, restart)
+                processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock, restart > 0))
+                print(f"[launch] process {rank}: pid {processes[-1].popen.pid}, coordinator {address}", flush=True)
+            failed = _wait(processes)
+            if failed is None:  # all done, or all stopped after saving at the same step
+                return Preempted.exit_code if Preempted.exit_code in [p.popen.returncode for p in processes] else 0
+            code, left = failed.popen.returncode, max_restarts - restart
+            if code == PodtrainError.exit_code or asked or not left:
+                spent = "; no restart left" if max_restarts and not left else ""
                 print(
-                    f"[launch] process {failed.rank} ended with {_exit_status(code)}; stopping the other processes",
+                    f"[launch] process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other "
+                    "processes",
                     file=sys.stderr,
                     flush=True,
                 )
                 return code if code > 0 else 128 - code
-            if None not in codes:  # all done, or all stopped after saving at the same step
-                return Preempted.exit_code if Preempted.exit_code in codes else 0
-            time.sleep(0.1)
+            _stop(processes, grace=0)  # the others cannot finish a step without it
+            processes.clear()
+            print(
+                f"[launch] process {failed.rank} ended with {_exit_status(code)}; restarting the job from "
+                f"{resume_point(checkpoint_dir)} (restart {restart + 1} of {max_restarts}, {left - 1} left)",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         _stop(processes)
-        for p in processes:
-            p.reader.join(timeout=STOP_GRACE_S)

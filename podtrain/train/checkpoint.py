@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from datetime import UTC, datetime
 
 import jax
@@ -27,7 +28,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain.errors import CheckpointError
+from podtrain.train import disk
 from podtrain.train.digest import checksums, fingerprint, leaf_name
+from podtrain.train.orbax_quiet import quiet_orbax
 
 DIGEST = "digest"
 ITEMS = ("params", "opt", "ema", "carry")  # every item a state may have
@@ -81,7 +84,9 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
 
 class Checkpointer:
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
+        quiet_orbax()  # of the faults podtrain reports itself: damaged steps, full disks, saves cut short
         self.directory = location(directory)
+        self.pending, self.needed, self.warned = None, 0, False  # the last step saved; its bytes; space warned of
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         try:
             # Handlers for every item, so that a fresh manager reads any checkpoint's metadata.
@@ -99,13 +104,38 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, state: dict) -> None:
+        step = int(jax.device_get(state["step"]))
+        self.wait()  # a failed earlier save is reported as its own step's
         arrays = {name: tree for name, tree in state.items() if name != "step"}
+        self.needed = sum(x.nbytes for x in jax.tree.leaves(arrays))
+        if (
+            not self.warned
+            and jax.process_index() == 0
+            and (warning := disk.short_of_space(self.directory, self.needed, step))
+        ):
+            print(warning, file=sys.stderr, flush=True)
+            self.warned = True
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         items[DIGEST] = ocp.args.JsonSave(checksums(arrays))
-        self.manager.save(int(jax.device_get(state["step"])), args=ocp.args.Composite(**items))
+        self.pending = step
+        with self._writing():
+            self.manager.save(step, args=ocp.args.Composite(**items))
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing():
+            self.manager.wait_until_finished()
+
+    @contextmanager
+    def _writing(self):
+        """A full disk under the pending save becomes one paragraph, not orbax's tracebacks."""
+        try:
+            yield
+        except Exception as e:
+            if not disk.is_full(e):
+                raise
+            if jax.process_index() == 0:
+                disk.remove_partial(self.directory, self.pending)
+            raise disk.full_disk(self.pending, self.directory, self.needed, self.latest_step()) from None
 
     def _restore_step(self, step: int, abstract: dict) -> dict:
         """The items of `abstract` at `step`, checked against their checksums. Every process
@@ -199,7 +229,7 @@ class Checkpointer:
         self.manager.reload()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
 

@@ -15,6 +15,7 @@ from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.interop import hf
 from podtrain.planning import fit
+from podtrain.runtime import distributed
 from podtrain.train import optim
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.goodput import Goodput, summary
@@ -93,7 +94,7 @@ def train(cfg: Config) -> dict:
     run = Run.of(cfg)
     if job.task.tokenizer is not None:
         run.check_tokenizer(job.task.tokenizer)
-    with run.lock() if rt.is_main else nullcontext():  # one job per run directory; process 0 holds it
+    with run.lock() if rt.is_main else nullcontext(), distributed.peer_loss_in_one_line():  # one job per run dir
         return _train(cfg, rt, run, job, memory, goodput)
 
 

@@ -5,12 +5,17 @@ A resumed run continues the record of the step it resumed from: metrics.jsonl is
 without the lines past that step (logged before the run stopped, and about to be logged again),
 and TensorBoard is told to purge its events past it, so every step appears once. The last step
 logged before (`logged_past`) tells goodput how many steps the resume computes again.
+
+What faults cost is kept too: a run that resumes after a restart by `podtrain launch` (which sets
+PODTRAIN_RESTART) or with steps to do again writes {"step", "restarts", "recomputed_steps"} at the
+step it resumed from, both counted over the run's life.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -53,16 +58,32 @@ class MetricsLog:
             return
         run_dir = Path(cfg.run_dir)
         path = run_dir / "metrics.jsonl"
-        records = _records(path)
-        steps = [json.loads(line)["step"] for line in records]
-        self.logged_past = max([start_step, *steps])
-        kept = [line for line, step in zip(records, steps) if step <= start_step]
+        lines = _records(path)
+        records = [json.loads(line) for line in lines]
+        self.logged_past = max([start_step, *(r["step"] for r in records)])
+        kept = [line for line, r in zip(lines, records) if r["step"] <= start_step]
         loggers = {
             "jsonl": lambda: Jsonl(path, kept),
             "tensorboard": lambda: TensorBoard(run_dir, start_step),
             "wandb": lambda: WandbLog(run_dir, cfg),
         }
         self.sinks = [loggers[name]() for name in dict.fromkeys(cfg.log.to)]
+        self._count_faults(records, start_step)
+
+    def _count_faults(self, records: list[dict], start_step: int) -> None:
+        """The restarts and recomputed steps so far, with this start's, where it is a restart or redoes steps."""
+        restarted = int(os.environ.get("PODTRAIN_RESTART", "0")) > 0
+        redone = self.logged_past - start_step
+        if restarted or redone > 0:
+            before = [r for r in records if "restarts" in r]
+            self.write(
+                {
+                    "step": start_step,
+                    "restarts": max((r["restarts"] for r in before), default=0) + restarted,
+                    "recomputed_steps": max((r["recomputed_steps"] for r in before), default=0) + redone,
+                },
+                prefix="faults",
+            )
 
     def write(self, record: dict, prefix: str = "train") -> None:
         record = {

@@ -9,11 +9,6 @@ checkpoint.dir puts them elsewhere), metrics.jsonl, TensorBoard events and logs/
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import os
-import socket
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +16,9 @@ from podtrain import runtime
 from podtrain.config.load import resolve_auto, run_config, save_config
 from podtrain.config.schema import Config, MeshConfig
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
-from podtrain.errors import ConfigError, DataError, RunInUse
+from podtrain.errors import ConfigError, DataError
 from podtrain.models import family
+from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.state import ModelFns, model_fns
 from podtrain.train.tasks.language import LanguageTask
@@ -85,29 +81,9 @@ class Run:
                 "Use data prepared with the run's tokenizer, or a new run_dir."
             )
 
-    @contextmanager
     def lock(self):
-        """Hold RUN_DIR/.lock while a job writes the run: a second job on the same directory is
-        refused at once, naming the holder. The OS releases the lock when the holder's process
-        ends, however it ends, so no stale lock survives a crash."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "a+") as file:
-            try:
-                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                file.seek(0)
-                holder = file.read().strip() or "another process"
-                raise RunInUse(
-                    f"{self.dir} is in use by another job ({holder}); wait for it to end, stop it, or give this "
-                    "job its own run_dir."
-                ) from None
-            file.truncate(0)
-            file.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            file.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(file, fcntl.LOCK_UN)
+        """Held while a job writes the run; a second job on the directory is refused (podtrain.train.lease)."""
+        return lease.hold(self.dir)
 
     def keep(self, cfg: Config, tokenizer=None) -> None:
         """Write config.yaml and a copy of the tokenizer (process 0 only)."""
