@@ -185,10 +185,18 @@ def _field_type(defaults: Config, name: str):
     return typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
 
 
+def flatten(node: dict, prefix: str = "") -> dict:
+    """{'a.b': value} of nested {'a': {'b': value}}."""
+    flat = {}
+    for name, value in node.items():
+        flat.update(flatten(value, f"{prefix}{name}.") if isinstance(value, dict) else {prefix + name: value})
+    return flat
+
+
 def check_words(defaults: Config, data: dict, where: str) -> None:
     """A key that takes a word, given a boolean (YAML's `true` or `false`), is refused naming the
     key and its values, rather than turned into the string 'True' or 'False'."""
-    for name, value in _flat(data).items():
+    for name, value in flatten(data).items():
         kind, words = _field_type(defaults, name), _choices(defaults, name) or ()
         if isinstance(value, bool) and (words or str in (kind, *typing.get_args(kind))):  # str, str | None
             choices = f"one of: {', '.join(words)}" if words else "a word or a path, not a boolean"
@@ -322,44 +330,6 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ValueError:  # in sys.modules without a spec: blocked, as a test does to stand for its absence
         return False
-
-
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Written whole or not at all (a temporary file renamed over it), so a kill leaves the last one."""
-    temporary = Path(f"{path}.tmp")
-    temporary.write_text(to_yaml(cfg))
-    temporary.replace(path)
-
-
-def run_config(run_dir: str | Path) -> Config:
-    """The config a run was trained with, from RUN_DIR/config.yaml."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(
-            f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
-        )
-    return load_config(path)
-
-
-def _flat(node: dict, prefix: str = "") -> dict:
-    flat = {}
-    for name, value in node.items():
-        flat.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {prefix + name: value})
-    return flat
-
-
-def differences(path: str | Path, cfg: Config) -> list[str]:
-    """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
-    old, new = _flat(yaml.safe_load(Path(path).read_text()) or {}), _flat(yaml.safe_load(to_yaml(cfg)))
-    return [
-        f"{name} ({old.get(name)} there, {new.get(name)} here)"
-        for name in sorted(old.keys() | new.keys())
-        if old.get(name) != new.get(name)
-    ]
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:

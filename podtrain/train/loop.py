@@ -10,7 +10,7 @@ import jax
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from podtrain.config.load import differences
+from podtrain.config.saved import differences
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.interop import hf

@@ -1,0 +1,43 @@
+"""The config a run keeps in RUN_DIR/config.yaml: written whole, read back, compared with another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+from podtrain.config.load import flatten, load_config
+from podtrain.config.schema import Config
+from podtrain.errors import ConfigError
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Written whole or not at all (a temporary file renamed over it), so a kill leaves the last one."""
+    temporary = Path(f"{path}.tmp")
+    temporary.write_text(to_yaml(cfg))
+    temporary.replace(path)
+
+
+def run_config(run_dir: str | Path) -> Config:
+    """The config a run was trained with, from RUN_DIR/config.yaml."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
+        )
+    return load_config(path)
+
+
+def differences(path: str | Path, cfg: Config) -> list[str]:
+    """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
+    old, new = flatten(yaml.safe_load(Path(path).read_text()) or {}), flatten(yaml.safe_load(to_yaml(cfg)))
+    return [
+        f"{name} ({old.get(name)} there, {new.get(name)} here)"
+        for name in sorted(old.keys() | new.keys())
+        if old.get(name) != new.get(name)
+    ]
