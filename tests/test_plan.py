@@ -278,7 +278,7 @@ def test_splash_compiles_for_tpu_and_keeps_scores_off_hbm():
     moves fewer bytes than XLA's attention, which writes every (seq, seq) score block to HBM."""
     cfg = load_config(
         CONFIGS / "tiny.yaml",
-        [*MEDIUM, "model.max_seq_len=1024", "train.seq_len=1024", "mesh.tensor=2", "model.compute_dtype=bfloat16"],
+        [*MEDIUM, "model.max_seq_len=512", "train.seq_len=512", "mesh.tensor=2", "model.compute_dtype=bfloat16"],
     )
     target = hardware.target("v5e-8")
     splash, xla = plan.plan(cfg, target), plan.plan(fit.changed(cfg, {"model.attention": "xla"}), target)

@@ -13,9 +13,7 @@ import pytest
 from podtrain.errors import Preempted
 from podtrain.train.metrics import read_metrics
 
-from conftest import SMALL
-from helpers import run_steps
-from test_multihost import CLEAN_ENV
+from helpers import CLEAN_ENV, SMALL, run_steps
 
 STEPS = 12
 JOB = [

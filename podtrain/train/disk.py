@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from pathlib import Path
 
 from podtrain.errors import DiskFull
@@ -61,7 +62,11 @@ def remove_partial(directory: str, step: int) -> None:
     nothing in it can be restored, and its room is what the next save needs."""
     if "://" not in directory:
         for folder in Path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
-            shutil.rmtree(folder, ignore_errors=True)
+            # The failed save's other writes may still land in it for a moment: remove until gone.
+            deadline = time.monotonic() + 10
+            while folder.exists() and time.monotonic() < deadline:
+                shutil.rmtree(folder, ignore_errors=True)
+                time.sleep(0.05)
 
 
 def full_disk(step: int, directory: str, needed: int, intact: int | None) -> DiskFull:
