@@ -82,9 +82,20 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
     return out + [f"{k} is in it but not in this state" for k in saved if k not in wanted]
 
 
+# orbax splits the writing of a replicated shard between its replicas, each slicing its part on
+# the device: one small compile per array shape and slice, about 30 ms each on a CPU, which made a
+# small model's first save take seconds. Slices under this size are written whole by one replica.
+MIN_REPLICA_SLICE_BYTES = 16 * 2**20
+
+
 class Checkpointer:
     def __init__(self, directory, keep: int = 3, async_save: bool = True):
         quiet_orbax()  # of the faults podtrain reports itself: damaged steps, full disks, saves cut short
+        ocp.type_handlers.register_type_handler(
+            jax.Array,
+            ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+            override=True,
+        )
         self.directory = location(directory)
         self.pending, self.needed, self.warned = None, 0, False  # the last step saved; its bytes; space warned of
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
