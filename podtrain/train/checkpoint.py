@@ -14,6 +14,8 @@ were damaged afterwards fails its restore or its checksums: training sets it asi
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -88,14 +90,27 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
 MIN_REPLICA_SLICE_BYTES = 16 * 2**20
 
 
-class Checkpointer:
-    def __init__(self, directory, keep: int = 3, async_save: bool = True):
-        quiet_orbax()  # of the faults podtrain reports itself: damaged steps, full disks, saves cut short
+@functools.cache
+def _whole_small_slices() -> None:
+    """orbax's array handler with MIN_REPLICA_SLICE_BYTES, once per process, without the warning
+    orbax logs on replacing its default handler (which is the point here)."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
         ocp.type_handlers.register_type_handler(
             jax.Array,
             ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
             override=True,
         )
+    finally:
+        absl.setLevel(level)
+
+
+class Checkpointer:
+    def __init__(self, directory, keep: int = 3, async_save: bool = True):
+        quiet_orbax()  # of the faults podtrain reports itself: damaged steps, full disks, saves cut short
+        _whole_small_slices()
         self.directory = location(directory)
         self.pending, self.needed, self.warned = None, 0, False  # the last step saved; its bytes; space warned of
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
