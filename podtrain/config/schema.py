@@ -122,9 +122,20 @@ class TrainConfig:
     lr: float = key(2e-3, "peak learning rate (linear warmup, then cosine decay)", "> 0")
     min_lr_ratio: float = key(0.1, "final learning rate as a fraction of the peak", "[0, 1]")
     warmup_steps: int = key(20, "steps of linear warmup", ">= 0")
-    weight_decay: float = key(0.1, "AdamW weight decay, on matrices only", ">= 0")
-    beta1: float = key(0.9, "AdamW's first-moment decay", "[0, 1)")
-    beta2: float = key(0.95, "AdamW's second-moment decay", "[0, 1)")
+    optimizer: Literal["adamw", "adam_atan2"] = key(
+        "adamw", "adamw, or adam_atan2: Adam with atan2 in place of the division by sqrt(v) + eps (HRM, TRM)"
+    )
+    weight_decay: float = key(0.1, "decoupled weight decay, on matrices only", ">= 0")
+    beta1: float = key(0.9, "Adam's first-moment decay", "[0, 1)")
+    beta2: float = key(0.95, "Adam's second-moment decay", "[0, 1)")
+    puzzle_emb_lr: float = key(
+        0.0,
+        "HRM/TRM: peak rate of sign-SGD on the puzzle embedding, as the references train it; 0: the optimizer's",
+        ">= 0",
+    )
+    puzzle_emb_weight_decay: float = key(
+        0.1, "HRM/TRM: sign-SGD's decoupled weight decay of the puzzle embedding", ">= 0"
+    )
     grad_clip: float = key(1.0, "global gradient-norm clip (0: off)", ">= 0")
     grad_accum: int = key(1, "microbatches per step, their gradients summed inside the step", ">= 1")
     init_from: str = key(

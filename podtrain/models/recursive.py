@@ -22,9 +22,9 @@ Outputs: the carry (detached), logits of the puzzle cells read from z_H / y, and
 Departures from the references: linear layers start normal with std 1/sqrt(fan_in) rather
 than truncated normal; the initial states z_H, z_L are drawn from a fixed key at each call
 (truncated normal, std 1) instead of being stored as buffers, which is the same constant
-without a checkpoint entry; the puzzle embedding is an ordinary parameter trained by the main
-optimizer (the references use a sparse embedding with SignSGD), and parameter counts below
-leave it out as the references' counts do.
+without a checkpoint entry; the puzzle embedding is an ordinary parameter, trained by the main
+optimizer, or by the references' sign-SGD on the rows a step reaches with train.puzzle_emb_lr > 0
+(podtrain.train.optim); parameter counts leave it out as the references' counts do.
 """
 
 from __future__ import annotations

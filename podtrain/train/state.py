@@ -83,10 +83,7 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     tx = optim.optimizer(cfg.train, decay_mask(fns))
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(tx.init, fns.abstract_params)
-    # Optimizer moments follow their parameter's sharding; counters are replicated.
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, sh: sh, opt_shapes, shardings_of(fns.abstract_params), transform_non_params=lambda _: replicated
-    )
+    opt_shardings = _like_their_params(opt_shapes, fns.abstract_params, replicated)
     abstract_opt = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_shardings
     )
@@ -95,6 +92,22 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     if cfg.train.ema:
         state["ema"] = fns.abstract_params
     return TrainSetup(fns, tx, state)
+
+
+def _like_their_params(opt_shapes, abstract_params, replicated):
+    """Optimizer moments follow their parameter's sharding, found by the path under which the state
+    keeps them (also inside optax's partitions, which hold part of the tree); counters are replicated."""
+    params = {tuple(k.key for k in path): p for path, p in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+    def sharding(path, leaf):
+        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        for start in range(len(keys)):
+            param = params.get(keys[start:])
+            if param is not None and param.shape == leaf.shape:
+                return param.sharding
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(sharding, opt_shapes)
 
 
 def init_state(setup: TrainSetup, seed: int, params=None) -> dict:
