@@ -1,4 +1,4 @@
-"""The `podtrain` command: train, plan, generate, convert, checkpoints, plot, doctor, profile, launch, data."""
+"""The `podtrain` command: train, plan, generate, eval, convert, checkpoints, plot, doctor, profile, launch, data."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _launch(args) -> int:
         )
     cfg = _config(_parse(command)) if command[0] == "train" else None
     log_dir = args.log_dir or (Path(cfg.run_dir) / "logs" if cfg else "runs/launch")
-    if command[0] in COMMANDS:
+    if command[0] in args.commands:  # a podtrain command
         command = [sys.executable, "-m", "podtrain", *command]
     options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts")
     where = cfg.checkpoint_dir if cfg else None  # names the step a restart resumes from
@@ -72,18 +72,15 @@ def _generate(args) -> None:
     cfg, fns, params = run.language_model()
     temperature = 0.0 if args.greedy else args.temperature
     window = cfg.model.max_seq_len  # the model's positions
-    text = sample(
-        fns,
-        params,
-        run.tokenizer(),
-        args.prompt,
-        args.max_new_tokens,
-        temperature,
-        window,
-        args.seed,
-        not args.no_cache,
-    )
+    cache = not args.no_cache
+    text = sample(fns, params, run.tokenizer(), args.prompt, args.max_new_tokens, temperature, window, args.seed, cache)
     print(args.prompt + text)
+
+
+def _eval(args) -> None:
+    from podtrain.tools.evaluate import command
+
+    command(args)
 
 
 def _convert(args) -> None:
@@ -234,6 +231,14 @@ def parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=_generate)
 
+    ev = sub.add_parser("eval", help="test accuracy of HRM/TRM runs at each halt_max_steps, pooled over seeds")
+    ev.add_argument("runs", nargs="+", metavar="RUN", help="a run_dir; with --seeds, one containing {seed}")
+    ev.add_argument("--halt-max-steps", metavar="H,H,...", help="segments to run (default: the run's own)")
+    ev.add_argument("--seeds", metavar="S,S,...", help="one run per seed, {seed} in RUN replaced by it")
+    ev.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    ev.add_argument("--out", help="PNG of the pooled plot (default: FIRST_RUN_DIR/eval_recursion_pooled.png)")
+    ev.set_defaults(func=_eval)
+
     cv = sub.add_parser(
         "convert",
         help="import a Hugging Face Llama checkpoint as a run directory, or export a run to one",
@@ -305,10 +310,8 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="PNG path (default: FIRST_RUN_DIR/curves.png)")
     pl.set_defaults(func=_plot)
+    p.set_defaults(commands=tuple(sub.choices))
     return p
-
-
-COMMANDS = ("train", "plan", "generate", "convert", "checkpoints", "plot", "doctor", "profile", "launch", "data")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -24,6 +24,33 @@ SMALL = [
     "model.compute_dtype=float32",
     "device_type=cpu",
 ]
+# HRM and TRM on Sudoku, small enough for 2 CPU cores (with data.source=sudoku data.path=DIR).
+TINY = [
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.compute_dtype=float32",
+    "device_type=cpu",
+    "train.batch_size=8",
+    "train.lr=3e-3",
+]
+RECURSION = {
+    "trm": [
+        "model.name=trm",
+        "model.H_cycles=2",
+        "model.L_cycles=1",
+        "model.puzzle_emb_len=4",
+        "model.halt_max_steps=2",
+    ],
+    "hrm": [
+        "model.name=hrm",
+        "model.H_cycles=2",
+        "model.L_cycles=1",
+        "model.H_layers=1",
+        "model.L_layers=1",
+        "model.halt_max_steps=2",
+    ],
+}
 # What libtpu prints when JAX wakes it on a machine without a TPU, and JAX's persistent-cache
 # warning: no command may show them.
 NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "E0000", "persistent compilation cache")

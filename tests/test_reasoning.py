@@ -19,34 +19,7 @@ from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
 from podtrain.train.tasks.puzzles import CELLS, act_loss, split, stablemax_cross_entropy
 
-from helpers import run_steps, trainer
-
-TINY = [
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.d_ff=64",
-    "model.compute_dtype=float32",
-    "device_type=cpu",
-    "train.batch_size=8",
-    "train.lr=3e-3",
-]
-RECURSION = {
-    "trm": [
-        "model.name=trm",
-        "model.H_cycles=2",
-        "model.L_cycles=1",
-        "model.puzzle_emb_len=4",
-        "model.halt_max_steps=2",
-    ],
-    "hrm": [
-        "model.name=hrm",
-        "model.H_cycles=2",
-        "model.L_cycles=1",
-        "model.H_layers=1",
-        "model.L_layers=1",
-        "model.halt_max_steps=2",
-    ],
-}
+from helpers import RECURSION, TINY, run_steps, trainer
 
 
 @pytest.fixture(scope="module")

@@ -236,11 +236,23 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - reported by the restore that follows
             return True
 
-    def restore_weights(self, abstract_params):
-        """The newest intact step's weights onto `abstract_params`: its EMA where it kept one."""
-        step = self.latest_step()  # none: restore says so
-        name = "ema" if step is not None and self.holds(step, "ema") else "params"
-        return self.restore({name: abstract_params})[name]
+    def restore_weights(self, abstract_params, step: int | None = None) -> tuple[int, object]:
+        """(step, weights onto `abstract_params`) of `step`, or of the newest intact step: its EMA
+        where it kept one."""
+        if step is None:
+            latest = self.latest_step()  # none: restore says so
+            name = "ema" if latest is not None and self.holds(latest, "ema") else "params"
+            state = self.restore({name: abstract_params})
+            return int(state["step"]), state[name]
+        if step not in (steps := self.manager.all_steps()):
+            raise CheckpointError(
+                f"No checkpoint at step {step} in {self.directory}; it has steps {sorted(steps) or 'none'}."
+            )
+        name = "ema" if self.holds(step, "ema") else "params"
+        try:
+            return step, self._restore_step(step, {name: abstract_params})[name]
+        except _Damaged as e:
+            raise CheckpointError(f"The checkpoint at step {step} in {self.directory} is damaged: {e}.") from None
 
     def _set_aside(self, steps: list[int]) -> None:
         if jax.process_index() == 0:

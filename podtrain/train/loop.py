@@ -61,7 +61,7 @@ def initial_weights(source: str, abstract_params, cfg: Config):
     if (Path(source) / "config.yaml").is_file():
         checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
         try:
-            return checkpointer.restore_weights(abstract_params)
+            return checkpointer.restore_weights(abstract_params)[1]
         except CheckpointMismatch as e:
             changed = [d for d in differences(Path(source) / "config.yaml", cfg) if d.startswith("model.")]
             raise CheckpointError(

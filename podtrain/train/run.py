@@ -3,7 +3,7 @@
 RUN_DIR holds everything of one training run: config.yaml (the config it trains with),
 tokenizer/ (a copy of a text run's tokenizer, for generate and export), checkpoints/ (unless
 checkpoint.dir puts them elsewhere), metrics.jsonl, TensorBoard events and logs/. `train`,
-`generate`, `convert`, `checkpoints` and `plot` all reach a run through `Run`.
+`generate`, `convert`, `checkpoints`, `plot` and `eval` all reach a run through `Run`.
 """
 
 from __future__ import annotations
@@ -93,19 +93,24 @@ class Run:
         if tokenizer is not None and tokenizer.file:
             keep_tokenizer(tokenizer, self.dir / self.TOKENIZER)
 
-    def language_model(self) -> tuple[Config, ModelFns, object]:
-        """(config, model functions, weights) of the latest checkpoint (its EMA where it kept one),
-        on this machine's devices with the params replicated, for generate and export."""
-        if family(self.cfg.model).task is not LanguageTask:
-            raise ConfigError(
-                f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
-                "take a language model (llama, mhc)."
-            )
+    def model(self, step: int | None = None) -> tuple[Config, ModelFns, int, object]:
+        """(config, model functions, step, weights) of the latest checkpoint or of `step` (its EMA
+        where it kept one), on this machine's devices with the params replicated."""
         cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
         rt, cfg = on_this_machine(cfg, announce=False)
         fns = model_fns(cfg, rt.mesh)
         checkpointer = Checkpointer(self.checkpoint_dir)
         try:
-            return cfg, fns, checkpointer.restore_weights(fns.abstract_params)
+            return cfg, fns, *checkpointer.restore_weights(fns.abstract_params, step)
         finally:
             checkpointer.close()
+
+    def language_model(self) -> tuple[Config, ModelFns, object]:
+        """(config, model functions, weights) of the latest checkpoint, for generate and export."""
+        if family(self.cfg.model).task is not LanguageTask:
+            raise ConfigError(
+                f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
+                "take a language model (llama, mhc)."
+            )
+        cfg, fns, _, params = self.model()
+        return cfg, fns, params

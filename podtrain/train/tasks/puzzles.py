@@ -19,7 +19,8 @@ Train metrics (cell and exact accuracy, ACT steps) are over the slots that halte
 
 Evaluation runs all halt_max_steps segments on each test puzzle, as the references do, and
 reports the last segment's loss, cell and exact accuracy, and act_steps: the segment at which
-the halting rule would first have stopped (halt_max_steps if never).
+the halting rule would first have stopped (halt_max_steps if never). `score_puzzles` scores each
+puzzle after several segments in one pass, for `podtrain eval`.
 
 Departure: stablemax runs in float32 (the references use float64, which JAX only has globally).
 """
@@ -108,30 +109,39 @@ def act_loss(model, carry: dict, rows: jax.Array, key: jax.Array):
     return loss, ({"z_h": z[0], "z_l": z[1], "steps": steps, "halted": halted, "data": data}, metrics)
 
 
-def evaluate_puzzles(model, rows: jax.Array) -> dict:
-    """All halt_max_steps segments on each puzzle of `rows`, scored on the last."""
+def score_puzzles(model, rows: jax.Array, at: tuple[int, ...] = ()) -> dict:
+    """Segments 1 to max(at) (default: halt_max_steps) on each puzzle of `rows`, scored after each
+    segment H of `at` as if it were the last: {"loss", "cell_accuracy", "exact_accuracy",
+    "act_steps"}, each (len(at), puzzles). act_steps at H is the segment at which the halting rule
+    would first have stopped the puzzle with halt_max_steps=H (H if never)."""
     r = model.cfg
+    at = at or (r.halt_max_steps,)
     ids, inputs, labels = split(rows)
 
     def segment(state, i):
-        z, halt_at, _ = state
+        z, halted_at = state
         z, logits, q = model(z, inputs, ids)
-        halt_at = jnp.where((halt_at == 0) & (_halts(q, r.no_ACT_continue) | (i == r.halt_max_steps)), i, halt_at)
-        return (z, halt_at, logits), None
+        halted_at = jnp.where((halted_at == 0) & _halts(q, r.no_ACT_continue), i, halted_at)
+        correct = jnp.argmax(logits, -1) == labels
+        scores_B = {
+            "loss": stablemax_cross_entropy(logits, labels).mean(-1),
+            "cell_accuracy": correct.mean(-1),
+            "exact_accuracy": correct.all(-1).astype(jnp.float32),
+        }
+        return (z, halted_at), scores_B
 
-    start = (
-        model.initial_carry(len(rows)),
-        jnp.zeros(len(rows), jnp.int32),
-        jnp.zeros((*labels.shape, r.vocab_size), jnp.float32),
-    )
-    (_, halt_at, logits), _ = jax.lax.scan(segment, start, jnp.arange(1, r.halt_max_steps + 1))
-    correct = jnp.argmax(logits, -1) == labels
-    return {
-        "val_loss": stablemax_cross_entropy(logits, labels).mean(),
-        "val_cell_accuracy": correct.mean(),
-        "val_exact_accuracy": correct.all(-1).mean(),
-        "val_act_steps": halt_at.mean(),
-    }
+    start = (model.initial_carry(len(rows)), jnp.zeros(len(rows), jnp.int32))
+    (_, halted_at), scores_SxB = jax.lax.scan(segment, start, jnp.arange(1, max(at) + 1))
+    last = jnp.array(at)
+    scores = {name: score[last - 1] for name, score in scores_SxB.items()}
+    never = jnp.where(halted_at == 0, max(at) + 1, halted_at)
+    scores["act_steps"] = jnp.minimum(never[None, :], last[:, None]).astype(jnp.float32)
+    return scores
+
+
+def evaluate_puzzles(model, rows: jax.Array) -> dict:
+    """score_puzzles' means over `rows` at halt_max_steps, as val_* metrics."""
+    return {f"val_{name}": score.mean() for name, score in score_puzzles(model, rows).items()}
 
 
 class PuzzleTask(Task):
