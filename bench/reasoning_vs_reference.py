@@ -361,7 +361,7 @@ def _commit(repo: Path) -> str:
     return done.stdout.strip() or "unknown"
 
 
-def compare(references: Path, data: Path, models: list[str], seeds: list[int], eval_every: int, out: Path, overrides):
+def compare(references, data: Path, models: list[str], seeds: list[int], eval_every: int, out: Path, overrides, sides):
     import torch
 
     torch.set_num_threads(2)
@@ -371,7 +371,7 @@ def compare(references: Path, data: Path, models: list[str], seeds: list[int], e
     for model in models:
         _, repo, identifier = RECIPES[model]
         for seed in seeds:
-            for side in ("podtrain", "reference"):
+            for side in sides:
                 cfg, job = podtrain_job(model, seed, data, overrides)
                 if len(job.task.eval_batches) * cfg.train.batch_size != len(test_rows):
                     raise SystemExit(f"set train.eval_batches to cover the {len(test_rows)} test puzzles once")
@@ -406,7 +406,7 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|",
     ]
     for model in dict.fromkeys(r["model"] for r in rows):
-        for side in ("podtrain", "reference"):
+        for side in dict.fromkeys(r["side"] for r in rows):
             mine = [r for r in rows if r["model"] == model and r["side"] == side]
             last = max(r["step"] for r in mine)
             final = [r for r in mine if r["step"] == last]
@@ -450,7 +450,8 @@ def easy_puzzles(path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--references", type=Path, required=True, help="DIR with HRM/ and TinyRecursiveModels/")
+    parser.add_argument("--references", type=Path, help="DIR with HRM/ and TinyRecursiveModels/")
+    parser.add_argument("--sides", default="podtrain,reference", help="podtrain alone: key=value changes its recipe")
     parser.add_argument("--models", default=",".join(RECIPES))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--eval-every", type=int, default=25)
@@ -461,13 +462,18 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value for every recipe, on both sides")
     args = parser.parse_args()
     if args.tiny:
+        if args.references is None:
+            parser.error("--tiny runs the reference code: give --references DIR")
         with tempfile.TemporaryDirectory() as tmp:
             sudoku.build(Path(tmp), "generate", **TINY_PUZZLES)
             tiny(args.references, Path(tmp), args.record)
         return
     data = easy_puzzles(args.data)
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
-    compare(args.references, data, models, seeds, args.eval_every, args.out, args.overrides)
+    sides = args.sides.split(",")
+    if "reference" in sides and args.references is None:
+        parser.error("--references DIR is needed to run the reference code")
+    compare(args.references, data, models, seeds, args.eval_every, args.out, args.overrides, sides)
 
 
 if __name__ == "__main__":
