@@ -106,3 +106,57 @@ def test_a_bf16_update_the_cpu_wraps_in_converts_counts_as_in_place_for_a_gpu():
     assert cost.memory_traffic(UPDATE_IN_BF16) == 4 + 2 * buffer + row  # read whole, written whole
     (op,) = cost.operations(UPDATE_IN_BF16, through_converts=True)
     assert op.bytes == 4 + row + row  # the index, the row read, the row written (in bf16)
+
+
+ON_CHIP_AND_IN_PLACE = """HloModule m
+
+%update (p0: f32[4,8], p1: f32[4,8], p2: f32[8], p3: s32[]) -> (f32[4,8], f32[4,8]) {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p2 = f32[8]{0:S(1)} parameter(2)
+  %b = f32[1,8]{1,0} bitcast(%p2)
+  %p3 = s32[] parameter(3)
+  %zero = s32[] constant(0)
+  %d0 = f32[4,8]{1,0} dynamic-update-slice(%p0, %b, %p3, %zero)
+  %p1 = f32[4,8]{1,0} parameter(1)
+  %d1 = f32[4,8]{1,0} dynamic-update-slice(%p1, %b, %p3, %zero)
+  ROOT %t = (f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%d0, %d1)
+}
+
+%row (q0: f32[4,8], q1: s32[]) -> f32[1,8] {
+  %q0 = f32[4,8]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %s = f32[1,8]{1,0} dynamic-slice(%q0, %q1, %zero), dynamic_slice_sizes={1,8}
+}
+
+%reads_a_row (r0: f32[4,8], r1: s32[]) -> f32[1,8] {
+  %r0 = f32[4,8]{1,0} parameter(0)
+  %r1 = s32[] parameter(1)
+  %inner = f32[1,8]{1,0} fusion(%r0, %r1), kind=kLoop, calls=%row
+  ROOT %n = f32[1,8]{1,0} negate(%inner)
+}
+
+ENTRY %main (a: f32[4,8], b: f32[4,8], v: f32[8], i: s32[], w: f32[64]) -> f32[1,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[4,8]{1,0} parameter(1)
+  %v = f32[8]{0} parameter(2)
+  %i = s32[] parameter(3)
+  %w = f32[64]{0} parameter(4)
+  %pre = (f32[8]{0:S(1)}, f32[8]{0}, u32[]{:S(2)}) copy-start(%v)
+  %on_chip = f32[8]{0:S(1)} copy-done(%pre)
+  %u = (f32[4,8]{1,0}, f32[4,8]{1,0}) fusion(%a, %b, %on_chip, %i), kind=kLoop, calls=%update
+  %ss = ((f32[64]{0}), f32[16]{0:S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:16]}
+  %sd = f32[16]{0:S(1)} slice-done(%ss)
+  ROOT %r = f32[1,8]{1,0} fusion(%a, %i), kind=kLoop, calls=%reads_a_row
+}
+"""
+
+
+def test_device_memory_traffic_leaves_out_what_stays_on_chip_or_in_place():
+    """What a TPU program moves through HBM: a prefetch to on-chip memory (S(1)) reads its source
+    once and its done moves nothing; an asynchronous slice reads its slice; a fusion updating two
+    buffers in place writes two rows and reads an on-chip operand for free; a fusion whose nested
+    fusion slices a buffer reads one row of it."""
+    moved = {o.name: o.bytes for o in cost.operations(ON_CHIP_AND_IN_PLACE)}
+    row = 8 * 4
+    assert moved == {"pre": 8 * 4, "u": 4 + 2 * row, "ss": 16 * 4, "r": row + 4 + row}

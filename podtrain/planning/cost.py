@@ -103,44 +103,88 @@ def matmul_flops(text: str) -> int:
 
 
 _SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
+_FREE = ("bitcast",)  # a new name for the same bytes
 
 
-def _accesses(lines: list[str], operand_sizes: list[int], result_size: int, through_converts: bool = False) -> int:
-    """Bytes a fusion reads and writes, seen from its body: an operand that is only sliced is
-    read in part; a buffer updated in place by dynamic-update-slice is neither read nor written
-    whole, only the update is. `through_converts`: a buffer converted to another dtype around
-    its update counts as updated in place too (what the CPU compiler makes of a bf16 update that
-    a GPU does in place)."""
+def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> dict[int, int]:
+    """Parameters a fusion body reads only in part: index -> bytes read. A parameter only sliced
+    (also inside a nested fusion) reads its slices; one only updated in place by
+    dynamic-update-slice reads nothing; one read any other way is missing (read whole)."""
     ops = [
         (line, r, hlo.nbytes(type_text), op, operands) for line, r, type_text, op, operands in hlo.instructions(lines)
     ]
     params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
-    sizes = {r: size for _, r, size, _, _ in ops}
-    made_by = {r: (op, operands) for _, r, _, op, operands in ops}
-    converted = {r: operands[0] for _, r, _, op, operands in ops if through_converts and op == "convert"}
+    passed = {r: operands[0] for _, r, _, op, operands in ops if op in _FREE or (through_converts and op == "convert")}
 
     def origin(name: str) -> str:
-        while name in converted:
-            name = converted[name]
+        while name in passed:
+            name = passed[name]
         return name
 
-    read = dict(enumerate(operand_sizes))
-    uses: dict[int, list] = defaultdict(list)
-    for _, r, size, op, operands in ops:
+    parts: dict[int, list] = defaultdict(list)
+    for line, r, size, op, operands in ops:
         for position, name in enumerate(operands):
-            if r not in converted and origin(name) in params:
-                uses[params[origin(name)]].append((op, position, size))
-    for i, used in uses.items():
-        if all(op in _SLICES and position == 0 for op, position, _ in used):
-            read[i] = sum(size for _, _, size in used)
-        elif all(op == "dynamic-update-slice" and position == 0 for op, position, _ in used):
-            read[i] = 0
-    root = next((o[1] for o in ops if o[0].lstrip().startswith("ROOT")), ops[-1][1] if ops else None)
-    op, operands = made_by.get(origin(root), (None, ()))
-    if op != "dynamic-update-slice":
-        return sum(read.values()) + result_size
-    # Only the update is written, in the dtype of the fusion's result.
-    return sum(read.values()) + sizes.get(operands[1], 0) * result_size // max(sizes[origin(root)], 1)
+            if r in passed or origin(name) not in params:
+                continue
+            if op in _SLICES and position == 0:
+                read = size
+            elif op == "dynamic-update-slice" and position == 0:
+                read = 0
+            elif op == "fusion" and (called := re.search(r"\bcalls=%?([\w.\-]+)", line)):
+                read = _partial_reads(bodies.get(called.group(1), ()), bodies, through_converts).get(position)
+            else:
+                read = None
+            parts[params[origin(name)]].append(read)
+    return {i: sum(reads) for i, reads in parts.items() if None not in reads}
+
+
+def _accesses(
+    lines: list[str], bodies: dict, operand_sizes: list[int], result_sizes: list[int], through_converts: bool = False
+) -> int:
+    """Bytes of device memory a fusion reads and writes, seen from its body, given the device-memory
+    size of each operand and of each result (0 for one on chip): an operand that is only sliced
+    is read in part (`_partial_reads`); a buffer updated in place by dynamic-update-slice (a result
+    of its own, or one of a tuple of results) is neither read nor written whole, only the update is
+    written. `through_converts`: a buffer converted to another dtype around its update counts as
+    updated in place too (what the CPU compiler makes of a bf16 update that a GPU does in place)."""
+    partial = _partial_reads(lines, bodies, through_converts)
+    read = sum(min(size, partial.get(i, size)) for i, size in enumerate(operand_sizes))
+    ops = {
+        r: (op, operands, size)
+        for _, r, size, op, operands in (
+            (line, r, hlo.nbytes(t), op, operands) for line, r, t, op, operands in hlo.instructions(lines)
+        )
+    }
+    passed = {r: o[1][0] for r, o in ops.items() if o[0] in _FREE or (through_converts and o[0] == "convert")}
+
+    def origin(name: str) -> str:
+        while name in passed:
+            name = passed[name]
+        return name
+
+    root = next((r for line, r, *_ in hlo.instructions(lines) if line.lstrip().startswith("ROOT")), None)
+    op, operands, _ = ops.get(origin(root), (None, (), 0)) if root else (None, (), 0)
+    outputs = operands if op == "tuple" else [root]
+    written = 0
+    for name, size in zip(outputs, result_sizes):
+        op, operands, whole = ops.get(origin(name), (None, (), 0))
+        # Only the update is written, in the dtype of the result.
+        written += ops[operands[1]][2] * size // max(whole, 1) if op == "dynamic-update-slice" else size
+    return read + written
+
+
+def _async_start(op: str, type_text: str, operand_sizes: list[int]) -> int:
+    """Bytes of device memory an asynchronous operation moves, counted at its start (its done
+    moves nothing more). A copy's start is (destination, source, context): each side in device
+    memory counts once (a prefetch to or an eviction from on-chip memory moves its bytes once); a
+    slice's start is ((operand), slice, context) and reads only the slice."""
+    parts = [hlo.device_memory_bytes(e) for e in hlo.elements(type_text)]
+    if op == "copy-start":
+        return sum(parts[0]) + sum(parts[1])
+    if op == "slice-start":
+        sliced = hlo.nbytes(hlo.elements(type_text)[1])
+        return (sliced if sum(operand_sizes) else 0) + sum(parts[1])
+    return sum(operand_sizes) + sum(sum(p) for p in parts[1:2])
 
 
 @dataclass(frozen=True)
@@ -197,7 +241,8 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
     def visit(name: str, times: int) -> None:
         sizes, shapes = {}, {}
         for line, result, type_text, op, operands in hlo.instructions(bodies.get(name, ())):
-            sizes[result] = size = hlo.nbytes(type_text)
+            placed = hlo.device_memory_bytes(type_text)
+            sizes[result] = size = sum(placed)
             shapes[result] = hlo.shape_of(type_text)
             called = bodies.get(m.group(1), ()) if (m := re.search(r"\bcalls=%?([\w.\-]+)", line)) else ()
             if op == "while":
@@ -208,7 +253,11 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
                     visit(callee, times)
                 continue
             if op == "fusion":
-                moved = _accesses(called, [sizes.get(o, 0) for o in operands], size, through_converts)
+                moved = _accesses(called, bodies, [sizes.get(o, 0) for o in operands], placed, through_converts)
+            elif op.endswith("-start"):
+                moved = _async_start(op, type_text, [sizes.get(o, 0) for o in operands])
+            elif op.endswith("-done"):
+                moved = 0
             elif op in _SLICES:
                 moved = 2 * size
             elif op == "dynamic-update-slice":

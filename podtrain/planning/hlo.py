@@ -34,6 +34,10 @@ DTYPE_BYTES = {
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+# An array with its layout, whose S(n) names the memory it lives in: TPU's memory-space assignment
+# puts buffers in on-chip memories (S(1) VMEM, and scalar spaces) beside device memory (no S).
+_PLACED = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
 _CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -182,6 +186,31 @@ def shape_of(type_text: str) -> tuple[int, ...]:
 
 def nbytes(type_text: str) -> int:
     return sum(DTYPE_BYTES[dtype] * math.prod(dims(shape)) for dtype, shape in _ARRAY.findall(type_text))
+
+
+def device_memory_bytes(type_text: str) -> list[int]:
+    """Bytes of each array of a type in device memory (HBM): 0 for one placed on chip."""
+    return [
+        0 if _ON_CHIP.search(layout) else DTYPE_BYTES[dtype] * math.prod(dims(shape))
+        for dtype, shape, layout in _PLACED.findall(type_text)
+    ]
+
+
+def elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type, "(a, (b, c), d)" -> ["a", "(b, c)", "d"]; [type] for an array."""
+    text = type_text.strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, c in enumerate(text[1:-1], 1):
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:-1].strip()]
 
 
 def instructions(lines: list[str]):
