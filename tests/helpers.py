@@ -1,12 +1,14 @@
 """A small model; a few training steps of it on a chosen set of devices, outside the CLI; podtrain in a
 process of its own; what no command may print."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
@@ -51,6 +53,10 @@ RECURSION = {
         "model.halt_max_steps=2",
     ],
 }
+# Ahead-of-time TPU compiles need the tpu extra (libtpu), which `make test` installs.
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed"
+)
 # What libtpu prints when JAX wakes it on a machine without a TPU, and JAX's persistent-cache
 # warning: no command may show them.
 NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "InitGoogle", "E0000", "persistent compilation cache")

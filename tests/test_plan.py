@@ -1,7 +1,6 @@
 """`podtrain plan`: its memory against a real run's, its collectives against the analytic volume,
 its FLOP count against the model's formula, TPU targets through libtpu, and the exit codes."""
 
-import importlib.util
 import json
 import math
 import os
@@ -22,12 +21,9 @@ from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.state import model_fns
 
-from helpers import NOISE
+from helpers import NOISE, needs_libtpu
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed"
-)
 # A Llama big enough that its arrays, not the runtime, make up a step's memory.
 MEDIUM = [
     "model.d_model=256",

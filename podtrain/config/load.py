@@ -345,4 +345,6 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
         m.attention = fused if cfg.data.pack != "documents" else "xla"
+    if getattr(m, "mlp_kernel", None) == "auto":
+        m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     return cfg

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models import fused_mlp
 from podtrain.sharding import constrain
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
@@ -166,7 +167,8 @@ swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
 class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism.
-    With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`)."""
+    With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`);
+    with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`)."""
 
     def __init__(
         self,
@@ -180,16 +182,19 @@ class SwiGLU(nnx.Module):
         axis: str = "embed",
         x_axes: tuple[str, ...] = ACT,
         recompute: bool = False,
+        kernel: str = "xla",
     ):
         self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)
-        self.dtype, self.x_axes, self.recompute = dtype, x_axes, recompute
+        self.dtype, self.x_axes, self.recompute, self.kernel = dtype, x_axes, recompute, kernel
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         w_down = self.w_down[...].astype(self.dtype)
+        if self.kernel == "pallas" and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
+            return constrain(fused_mlp.fused_swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         if self.recompute:
             return constrain(swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,9 @@ class RecursiveConfig(ModelConfig):
         True, "halt when q_halt > 0 (TRM); false: when q_halt > q_continue, with q_continue's loss (HRM)"
     )
     puzzle_emb_len: int = key(16, "sequence positions in front of the puzzle for its learned embedding", ">= 1")
+    mlp_kernel: Literal["auto", "xla", "pallas"] = key(
+        "auto", "the MLPs: pallas keeps their hidden layer in VMEM (TPU, no tensor parallelism); auto: pallas on TPU"
+    )
     num_puzzle_ids: int = key(1, "puzzle embeddings (one shared embedding for Sudoku)", ">= 1")
     mlp_t: ClassVar[bool] = False  # attention in every block; TRM makes it a key
 
@@ -119,6 +122,7 @@ class ReasoningBlock(nnx.Module):
                 axis="seq",
                 x_axes=("act_batch", "act_embed", "act_seq"),
                 recompute=True,
+                kernel=cfg.mlp_kernel,
             )
         else:
             self.attn = Attention(
@@ -132,7 +136,16 @@ class ReasoningBlock(nnx.Module):
                 rngs=rngs,
                 causal=False,
             )
-        self.mlp = SwiGLU(d, cfg.d_ff, std=d**-0.5, out_std=cfg.d_ff**-0.5, dtype=dtype, rngs=rngs, recompute=True)
+        self.mlp = SwiGLU(
+            d,
+            cfg.d_ff,
+            std=d**-0.5,
+            out_std=cfg.d_ff**-0.5,
+            dtype=dtype,
+            rngs=rngs,
+            recompute=True,
+            kernel=cfg.mlp_kernel,
+        )
 
     def __call__(self, h: jax.Array, rope) -> jax.Array:
         h = constrain(h, ACT)

@@ -32,6 +32,7 @@ _NO_TRAFFIC = {
     "opt-barrier",
 }
 _FRAME = re.compile(r"\bstack_frame_id=(\d+)")
+_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _SECTION_ROW = re.compile(r"^(\d+) (.*)$")
 
 
@@ -85,12 +86,26 @@ def _matmul_macs(line: str, op: str, operands: list[str], result: str, shapes: d
     return 0
 
 
+def _kernel_cost(line: str) -> tuple[int, int] | None:
+    """(FLOPs, bytes accessed) a Pallas kernel's custom call declares (its CostEstimate), if any:
+    its matmuls are inside the kernel, where no dot instruction shows them."""
+    found = _KERNEL_COST.search(line)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _flops(line: str, op: str, operands: list[str], result: str, shapes: dict) -> int:
+    """FLOPs of one instruction: its matmul's (2 per multiply-add), or what a kernel declares."""
+    if op == "custom-call":
+        return (_kernel_cost(line) or (0, 0))[0]
+    return 2 * _matmul_macs(line, op, operands, result, shapes)
+
+
 def _computation_flops(lines: list[str]) -> int:
-    """Matmul FLOPs of one run of a computation's own instructions (2 per multiply-add)."""
+    """Matmul FLOPs of one run of a computation's own instructions."""
     shapes, total = {}, 0
     for line, result, type_text, op, operands in hlo.instructions(lines):
         shapes[result] = hlo.shape_of(type_text)
-        total += 2 * _matmul_macs(line, op, operands, result, shapes)
+        total += _flops(line, op, operands, result, shapes)
     return total
 
 
@@ -264,12 +279,11 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
                 moved = 2 * sizes.get(operands[1], 0)
             elif op in _NO_TRAFFIC:
                 moved = 0
+            elif op == "custom-call" and _kernel_cost(line):
+                moved = _kernel_cost(line)[1]
             else:
                 moved = size + sum(sizes.get(o, 0) for o in operands)
-            if op == "fusion":
-                flops = _computation_flops(called)
-            else:
-                flops = 2 * _matmul_macs(line, op, operands, result, shapes)
+            flops = _computation_flops(called) if op == "fusion" else _flops(line, op, operands, result, shapes)
             if moved or flops:
                 shape = type_text.strip()
                 found.append(Operation(result, op, shape, _source(frames, line, called), moved * times, flops * times))
