@@ -164,7 +164,7 @@ def test_recipes_keep_their_setup():
     )
     assert (llama.mesh.data, llama.mesh.fsdp, llama.mesh.tensor) == (2, 4, 2)  # v4-32: 16 chips, one JAX device each
     assert (mhc.model.vocab_size, mhc.train.batch_size, mhc.model.streams) == (49152, 32, 4)
-    assert (mhc.mesh.data, mhc.mesh.fsdp, mhc.mesh.tensor) == (2, 2, 2)
+    assert (mhc.mesh.data, mhc.mesh.fsdp, mhc.mesh.tensor) == (1, 8, 1)
     assert load_config(CONFIGS / "mhc_tiny.yaml").model.name == "mhc"
     assert (trm.train.batch_size, trm.train.ema, trm.model.mlp_t) == (768, 0.999, True)
     assert (pod.train.batch_size, pod.mesh.data, pod.model) == (6144, -1, trm.model)
