@@ -121,14 +121,10 @@ _SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
 _FREE = ("bitcast",)  # a new name for the same bytes
 
 
-def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> dict[int, int]:
-    """Parameters a fusion body reads only in part: index -> bytes read. A parameter only sliced
-    (also inside a nested fusion) reads its slices; one only updated in place by
-    dynamic-update-slice reads nothing; one read any other way is missing (read whole)."""
-    ops = [
-        (line, r, hlo.nbytes(type_text), op, operands) for line, r, type_text, op, operands in hlo.instructions(lines)
-    ]
-    params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
+def _body(lines: list[str], through_converts: bool):
+    """A fusion body's instructions as (line, name, bytes, op, operands), and `origin`: the
+    instruction a name stands for through bitcasts (and converts, with `through_converts`)."""
+    ops = [(line, r, hlo.nbytes(t), op, operands) for line, r, t, op, operands in hlo.instructions(lines)]
     passed = {r: operands[0] for _, r, _, op, operands in ops if op in _FREE or (through_converts and op == "convert")}
 
     def origin(name: str) -> str:
@@ -136,6 +132,15 @@ def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> di
             name = passed[name]
         return name
 
+    return ops, passed, origin
+
+
+def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> dict[int, int]:
+    """Parameters a fusion body reads only in part: index -> bytes read. A parameter only sliced
+    (also inside a nested fusion) reads its slices; one only updated in place by
+    dynamic-update-slice reads nothing; one read any other way is missing (read whole)."""
+    ops, passed, origin = _body(lines, through_converts)
+    params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
     parts: dict[int, list] = defaultdict(list)
     for line, r, size, op, operands in ops:
         for position, name in enumerate(operands):
@@ -164,20 +169,9 @@ def _accesses(
     updated in place too (what the CPU compiler makes of a bf16 update that a GPU does in place)."""
     partial = _partial_reads(lines, bodies, through_converts)
     read = sum(min(size, partial.get(i, size)) for i, size in enumerate(operand_sizes))
-    ops = {
-        r: (op, operands, size)
-        for _, r, size, op, operands in (
-            (line, r, hlo.nbytes(t), op, operands) for line, r, t, op, operands in hlo.instructions(lines)
-        )
-    }
-    passed = {r: o[1][0] for r, o in ops.items() if o[0] in _FREE or (through_converts and o[0] == "convert")}
-
-    def origin(name: str) -> str:
-        while name in passed:
-            name = passed[name]
-        return name
-
-    root = next((r for line, r, *_ in hlo.instructions(lines) if line.lstrip().startswith("ROOT")), None)
+    listed, _, origin = _body(lines, through_converts)
+    ops = {r: (op, operands, size) for _, r, size, op, operands in listed}
+    root = next((r for line, r, *_ in listed if line.lstrip().startswith("ROOT")), None)
     op, operands, _ = ops.get(origin(root), (None, (), 0)) if root else (None, (), 0)
     outputs = operands if op == "tuple" else [root]
     written = 0
