@@ -53,8 +53,8 @@ def scale_by_adam_atan2(b1: float, b2: float) -> optax.GradientTransformation:
     """Adam's bias-corrected moments, combined as atan2(m_hat, sqrt(v_hat))."""
 
     def init(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, jax.tree.map(jnp.zeros_like, params))
+        mu, nu = (jax.tree.map(jnp.zeros_like, params) for _ in range(2))  # own buffers: the step donates both
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
     def update(grads, state, params=None):
         mu = optax.tree.update_moment(grads, state.mu, b1, 1)
