@@ -71,7 +71,7 @@ class MhcConfig(llama.LlamaConfig):
             )
 
 
-STREAMS = ("act_batch", "act_seq", "act_streams", "act_embed")  # the residual streams (batch, seq, n, d_model)
+STREAMS = ("act_batch", "act_seq", "act_embed")  # the residual streams, flat: (batch, seq, n·d_model)
 
 
 def _logsumexp(values: list[jax.Array]) -> jax.Array:
@@ -121,25 +121,72 @@ def _project(flat: jax.Array, phi: jax.Array, scale: jax.Array) -> jax.Array:
     return jax.checkpoint(project)(flat, phi, scale)
 
 
+def _streams(x: jax.Array, n: int) -> list[jax.Array]:
+    """The n streams of flat streams x (..., n·C), each (..., C), in float32."""
+    c = x.shape[-1] // n
+    return [x[..., j * c : (j + 1) * c].astype(jnp.float32) for j in range(n)]
+
+
+def _weighted(weights: jax.Array, vectors: list[jax.Array]) -> jax.Array:
+    """Σ_j weights[..., j] vectors[j], elementwise over the vectors' last axis."""
+    return functools.reduce(operator.add, [weights[..., j, None] * v for j, v in enumerate(vectors)])
+
+
+def _dots(a: list[jax.Array], b: list[jax.Array]) -> jax.Array:
+    """(..., len(a), len(b)): the per-token inner products of every a_i with every b_j."""
+    return jnp.stack([jnp.stack([jnp.sum(ai * bj, axis=-1) for bj in b], axis=-1) for ai in a], axis=-2)
+
+
+@jax.custom_vjp
 def read_streams(h_pre: jax.Array, x: jax.Array) -> jax.Array:
-    """H_pre · x: Σ_j h_pre[j] x_j (b, t, C) for h_pre (b, t, n), x (b, t, n, C), in float32,
-    returned in x's dtype; elementwise, so one pass over the streams."""
-    terms = [h_pre[..., j, None] * x[..., j, :].astype(jnp.float32) for j in range(x.shape[-2])]
-    return functools.reduce(operator.add, terms).astype(x.dtype)
+    """H_pre · x: Σ_j h_pre[j] x_j (b, t, C) for h_pre (b, t, n) and flat streams x (b, t, n·C), in
+    float32, returned in x's dtype; elementwise, so one pass over the streams."""
+    return _weighted(h_pre, _streams(x, h_pre.shape[-1])).astype(x.dtype)
 
 
+def _read_forward(h_pre, x):
+    return read_streams(h_pre, x), (h_pre, x)
+
+
+def _read_backward(saved, d_out):
+    """dx_j = h_pre[j] d_out and dh_pre[j] = <d_out, x_j>, in float32 inside one pass; only dx, in
+    x's dtype, is written at the streams' size."""
+    h_pre, x = saved
+    d_out = d_out.astype(jnp.float32)
+    dx = jnp.concatenate([h_pre[..., j, None] * d_out for j in range(h_pre.shape[-1])], axis=-1)
+    return _dots([d_out], _streams(x, h_pre.shape[-1]))[..., 0, :], dx.astype(x.dtype)
+
+
+read_streams.defvjp(_read_forward, _read_backward)
+
+
+@jax.custom_vjp
 def write_streams(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
     """H_res · x + H_postᵀ · y: stream i gets Σ_j h_res[i, j] x_j + h_post[i] y, for h_res (b, t, n, n),
-    h_post (b, t, n), x (b, t, n, C), y (b, t, C). Products and sums in float32, the result in x's
-    dtype; elementwise, so XLA reads the streams and y once and writes the new streams once."""
-    n = x.shape[-2]
-    xs = [x[..., j, :].astype(jnp.float32) for j in range(n)]
-    y = y.astype(jnp.float32)
-    streams = [
-        functools.reduce(operator.add, [h_res[..., i, j, None] * xs[j] for j in range(n)]) + h_post[..., i, None] * y
-        for i in range(n)
-    ]
-    return jnp.stack(streams, axis=-2).astype(x.dtype)
+    h_post (b, t, n), flat streams x (b, t, n·C), y (b, t, C). Products and sums in float32, the result
+    in x's dtype; elementwise, so XLA reads the streams and y once and writes the new streams once."""
+    xs, y = _streams(x, h_post.shape[-1]), y.astype(jnp.float32)
+    streams = [_weighted(h_res[..., i, :], xs) + h_post[..., i, None] * y for i in range(len(xs))]
+    return jnp.concatenate(streams, axis=-1).astype(x.dtype)
+
+
+def _write_forward(h_res, h_post, x, y):
+    return write_streams(h_res, h_post, x, y), (h_res, h_post, x, y)
+
+
+def _write_backward(saved, d_out):
+    """dx_j = Σ_i h_res[i, j] d_i, dy = Σ_i h_post[i] d_i, dh_res[i, j] = <d_i, x_j>, dh_post[i] =
+    <d_i, y>: the incoming gradient is widened to float32 inside the passes, never written so."""
+    h_res, h_post, x, y = saved
+    n = h_post.shape[-1]
+    ds = _streams(d_out, n)
+    dx = jnp.concatenate([_weighted(h_res[..., :, j], ds) for j in range(n)], axis=-1)
+    dh_res = _dots(ds, _streams(x, n))
+    dh_post = _dots(ds, [y.astype(jnp.float32)])[..., 0]
+    return dh_res, dh_post, dx.astype(x.dtype), _weighted(h_post, ds).astype(y.dtype)
+
+
+write_streams.defvjp(_write_forward, _write_backward)
 
 
 class StreamMixer(nnx.Module):
@@ -160,14 +207,14 @@ class StreamMixer(nnx.Module):
         )
 
     def coefficients(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for streams x (b, t, n, C).
+        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for flat streams x (b, t, n·C).
 
         RMSNorm(flat x) φ = (flat x (diag(scale) φ)) / rms(x): the division comes after the
         projection (as in the paper's kernels), so the normalised streams are never written."""
-        b, t, n, c = x.shape
+        b, t, n = *x.shape[:2], self.n
         x32 = x.astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=(-2, -1)) + self.norm.eps)
-        projected = _project(x.reshape(b, t, n * c), self.phi[...], self.norm.scale[...]) * inv_rms[..., None]
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + self.norm.eps)
+        projected = _project(x, self.phi[...], self.norm.scale[...]) * inv_rms[..., None]
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
         pre, post, res = jnp.split(
             gate[None, None] * projected + self.bias[...][None, None], np.cumsum(self.sizes)[:2], axis=-1
@@ -204,10 +251,10 @@ class Mhc(llama.Llama):
     block = MhcBlock
 
     def widen(self, x: jax.Array) -> jax.Array:
-        return constrain(jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.streams, x.shape[-1])), STREAMS)
+        return constrain(jnp.tile(x, self.cfg.streams), STREAMS)
 
     def narrow(self, state: jax.Array) -> jax.Array:
-        return state.sum(axis=2)
+        return state.reshape(*state.shape[:-1], self.cfg.streams, -1).sum(axis=-2)
 
 
 def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int) -> float:
