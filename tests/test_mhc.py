@@ -3,6 +3,7 @@
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
+from podtrain.planning import cost
+from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.state import model_fns
 
-from helpers import SMALL, run_steps
+from helpers import SMALL, needs_libtpu, run_steps
 
 MHC = SMALL + ["model.name=mhc", "model.streams=4"]
 
@@ -269,3 +272,30 @@ def test_sinkhorn_equals_the_reference_loop(iters):
     ref, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference_sinkhorn(z, iters) * cotangent))(logits)
     np.testing.assert_allclose(out, ref, rtol=1e-5)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@needs_libtpu
+def test_mixing_moves_the_streams_in_the_compute_dtype_on_tpu():
+    """One mixer's forward and backward, compiled ahead of time for a TPU v6e chip at mhc_3b's size
+    (2048 tokens, 4 x 3072 streams, bfloat16): no buffer of float32 the streams' size in device
+    memory (the float32 products and sums stay inside the passes), and the device-memory traffic
+    of the mixing and its branch (a matmul) at most 60 times one bfloat16 stream of (tokens, d):
+    52 with the hand-written backward, 146 with autodiff's."""
+    tokens, d = 2048, 3072
+    cfg = load_config(None, MHC + [f"model.d_model={d}", "model.n_heads=24", "model.compute_dtype=bfloat16"]).model
+    graphdef, state = nnx.split(StreamMixer(cfg, nnx.Rngs(0)))
+    device = hardware.target("v6e-8").devices[0]
+
+    def loss(state, x, w, r):
+        return jnp.sum((nnx.merge(graphdef, state)(x, lambda h: h @ w) * r).astype(jnp.float32))
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+    streams = spec((1, tokens, 4 * d))
+    args = jax.tree.map(lambda a: spec(a.shape, a.dtype), state), streams, spec((d, d)), streams
+    program = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    ops = cost.operations(program)
+    stream_sized_f32 = [o for o in ops if re.search(rf"f32\[1,{tokens},(4,{d}|{4 * d})\]", o.shape)]
+    assert not stream_sized_f32, [(o.shape, o.source) for o in stream_sized_f32]
+    assert sum(o.bytes for o in ops) <= 60 * tokens * d * 2
