@@ -20,6 +20,7 @@ overflow whatever the compute dtype. `model.projection=permutations` is mHC-lite
 doubly stochastic with no iterations, so φ_res and b_res have n! outputs instead of n².
 
 The token embedding is copied into the n streams; the streams are summed before the final norm.
+The model carries them flat, (batch, seq, n·C), the layout the coefficients' matmul reads.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
