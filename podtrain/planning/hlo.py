@@ -47,7 +47,9 @@ _OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
 _GROUPS = re.compile(
-    r"replica_groups=(\{\{[\d,{}]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})"
+    r"replica_groups=(\{\{[\d,{}]*\}\}"  # explicit groups
+    r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"  # an iota
+    r"|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})"  # mesh axes
 )
 
 
