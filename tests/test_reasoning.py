@@ -311,11 +311,12 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [straight[s] for s in (3, 4)], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,margin", [("trm", 0.2), ("hrm", 0.03)])
+@pytest.mark.parametrize("name,margin", [("trm", 0.1), ("hrm", 0.03)])
 def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
-    """configs/trm_sudoku_tiny.yaml and hrm_sudoku_tiny.yaml: 150 steps on easy generated puzzles (45
-    givens) lift held-out cell accuracy above copying the givens and guessing the blanks
-    (55.6% + 44.4% / 9 = 60.5%): TRM (mlp_t) to about 89%, HRM to about 67%."""
+    """configs/trm_sudoku_tiny.yaml and hrm_sudoku_tiny.yaml: 100 of their 150 steps on easy
+    generated puzzles (45 givens) lift held-out cell accuracy above copying the givens and guessing
+    the blanks (55.6% + 44.4% / 9 = 60.5%): TRM (mlp_t) to about 75% (89% after 150), HRM to about
+    66% (67%)."""
     data = tmp_path_factory.getbasetemp() / "sudoku-easy"
     if not data.exists():
         sudoku.build(
@@ -332,7 +333,8 @@ def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
             "podtrain",
             "train",
             recipe,
-            "train.eval_every=150",
+            "train.steps=100",
+            "train.eval_every=100",
             f"data.path={data}",
             f"run_dir={run}",
         ],
