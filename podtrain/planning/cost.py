@@ -31,6 +31,9 @@ _NO_TRAFFIC = {
     "replica-id",
     "opt-barrier",
 }
+# A custom call that only reserves a buffer (the TPU compiler's for a scan's stacked outputs, which
+# the loop then fills by in-place updates): no bytes move until those updates.
+_ALLOCATION = re.compile(r'custom_call_target="AllocateBuffer"')
 _FRAME = re.compile(r"\bstack_frame_id=(\d+)")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _SECTION_ROW = re.compile(r"^(\d+) (.*)$")
@@ -271,7 +274,7 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
                 moved = 2 * size
             elif op == "dynamic-update-slice":
                 moved = 2 * sizes.get(operands[1], 0)
-            elif op in _NO_TRAFFIC:
+            elif op in _NO_TRAFFIC or (op == "custom-call" and _ALLOCATION.search(line)):
                 moved = 0
             elif op == "custom-call" and _kernel_cost(line):
                 moved = _kernel_cost(line)[1]
