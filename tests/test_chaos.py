@@ -74,13 +74,13 @@ def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(tmp_path):
     train(cfg)
     chaos, rng = tmp_path / "chaos", random.Random(12)
     chaos.mkdir()
-    kill_points = sorted(rng.sample(range(2, STEPS, 2), 6))  # checkpoint steps, one kill after each
+    kill_points = sorted(rng.sample(range(2, STEPS, 2), 4))  # checkpoint steps, one kill after each
     outcomes = [_run(chaos, step, rng.uniform(0, 0.15)) for step in kill_points]
     code, _ = _run(chaos, None, 0)
     assert code == 0, (tmp_path / "chaos.log").read_text()[-3000:]
     kills, kills_in_a_save = sum(c is None for c, _ in outcomes), sum(saving for _, saving in outcomes)
     print(f"{kills} kills, {kills_in_a_save} of them during a save, after checkpoints {kill_points}")
-    assert kills >= 5 and kills_in_a_save >= 1, (kills, kills_in_a_save)
+    assert kills >= 3 and kills_in_a_save >= 1, (kills, kills_in_a_save)
 
     reference, resumed = _state(tmp_path / "reference", cfg), _state(chaos, cfg)
     assert int(resumed["step"]) == STEPS
