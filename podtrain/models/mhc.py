@@ -247,7 +247,7 @@ class MhcBlock(llama.Block):
 
 
 class Mhc(llama.Llama):
-    """tokens (batch, seq) -> logits; the blocks carry (batch, seq, streams, d_model)."""
+    """tokens (batch, seq) -> logits; the blocks carry the streams flat, (batch, seq, streams·d_model)."""
 
     block = MhcBlock
 
