@@ -77,13 +77,17 @@ def test_grouped_attention_equals_dot_product_attention(causal, documents):
     mask = (segments[:, :, None] == segments[:, None, :])[:, None] if documents else None
     cotangent = jax.random.normal(jax.random.key(2), q.shape)
 
-    def with_grads(attend):
+    @functools.partial(jax.jit, static_argnums=0)
+    def with_grads(attend, q, k, v):
         out, pullback = jax.vjp(attend, q, k, v)
         return out, pullback(cotangent)
 
-    ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal))
+    ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal), q, k, v)
     reference = with_grads(
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla"),
+        q,
+        k,
+        v,
     )
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), ours, reference)
 
