@@ -5,13 +5,12 @@ import os
 import shutil
 import tempfile
 
-# The tests' programs are tiny: compiling them is most of their time and running them next to none,
-# so XLA's backend compiles them unoptimised (about 1.7x faster to compile). Results move by up to
-# 3e-5 relative against an optimised compile, so test_golden computes its metrics in a process of
-# its own, compiled as `train` compiles.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-)
+from compile_flags import TEST_COMPILES
+
+# Results of the tests' compiles (compile_flags.py) move by up to 3e-5 relative against an
+# optimised compile, so test_golden computes its metrics in a process of its own, compiled as
+# `train` compiles.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_COMPILES
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Broadcasting between arrays of different ranks is an error, not a silent expansion (here and in
 # the processes the tests start): shapes are meant to line up explicitly.

@@ -13,6 +13,8 @@ from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 
+from compile_flags import TEST_COMPILES
+
 # A model small enough for 2 CPU cores, with grouped-query attention (n_kv_heads < n_heads).
 SMALL = [
     "model.d_model=32",
@@ -89,7 +91,7 @@ CLEAN_ENV = {
         for k, v in os.environ.items()
         if k not in LAUNCHER_VARS and not k.startswith(("JAX_", "MASTER_", "SLURM_", "OMPI_"))
     },
-    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    "XLA_FLAGS": TEST_COMPILES,
 }
 
 

@@ -18,6 +18,7 @@ from podtrain.config.schema import MeshConfig
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
+from podtrain.errors import DistributedError
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -221,6 +222,13 @@ HALF_SET = [
 
 @pytest.mark.parametrize("env,message", HALF_SET)
 def test_half_set_environment_is_an_error(env, message):
+    with pytest.raises(DistributedError, match=re.escape(message)):
+        from_environment(env)
+
+
+def test_a_half_set_environment_exits_2_before_joining():
+    """As a command meets it: exit 2, the message, no traceback, no wait for a coordinator."""
+    env, message = HALF_SET[0]
     done = podtrain("doctor", "device_type=cpu", "distributed.init_timeout=5", env=env, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
