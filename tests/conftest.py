@@ -7,9 +7,7 @@ import tempfile
 
 from compile_flags import TEST_COMPILES
 
-# Results of the tests' compiles (compile_flags.py) move by up to 3e-5 relative against an
-# optimised compile, so test_golden computes its metrics in a process of its own, compiled as
-# `train` compiles.
+# How the tests compile: compile_flags.py (test_golden's values are those of these compiles).
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + TEST_COMPILES
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Broadcasting between arrays of different ranks is an error, not a silent expansion (here and in

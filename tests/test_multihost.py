@@ -227,7 +227,7 @@ def test_half_set_environment_is_an_error(env, message):
 
 
 def test_a_half_set_environment_exits_2_before_joining():
-    """As a command meets it: exit 2, the message, no traceback, no wait for a coordinator."""
+    """As a command meets it: exit 2 with the message and no traceback."""
     env, message = HALF_SET[0]
     done = podtrain("doctor", "device_type=cpu", "distributed.init_timeout=5", env=env, timeout=60)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
