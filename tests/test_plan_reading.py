@@ -7,7 +7,7 @@ import re
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
-from podtrain.planning import cost, fit, plan
+from podtrain.planning import cost, fit, hlo, plan
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
@@ -162,3 +162,56 @@ def test_device_memory_traffic_leaves_out_what_stays_on_chip_or_in_place():
     moved = {o.name: o.bytes for o in cost.operations(ON_CHIP_AND_IN_PLACE)}
     row = 8 * 4
     assert moved == {"pre": 8 * 4, "u": 4 + 2 * row, "ss": 16 * 4, "r": row + 4 + row}
+
+
+# A windowed einsum as the TPU compiler writes one (an fsdp all-gather overlapped with its matmul):
+# a loop whose u32 counter starts at a copy of 0 and steps by 2 up to 4, one matmul and one shard
+# passed on (with the TPU's two u32 contexts) per iteration, and a fusion whose sixth operand the
+# text numbers (/*index=5*/).
+WINDOWED = """HloModule m
+
+%cond (p: (u32[], f32[8,8])) -> pred[] {
+  %p = (u32[], f32[8,8]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  %n = u32[]{:T(128)} constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (u32[], f32[8,8])) -> (u32[], f32[8,8]) {
+  %p = (u32[], f32[8,8]) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0} get-tuple-element(%p), index=1
+  %y = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %cp = (f32[8,8], f32[8,8], u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), source_target_pairs={{0,1}}
+  %cd = f32[8,8]{1,0} collective-permute-done(%cp)
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)} add(%i, %two)
+  ROOT %t = (u32[], f32[8,8]) tuple(%next, %y)
+}
+
+%six (a: f32[8], b: f32[8], c: f32[8], d: f32[8], e: f32[8], f: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %f = f32[8]{0} parameter(5)
+  ROOT %s = f32[8]{0} add(%a, %f)
+}
+
+ENTRY %main (x: f32[8,8], v: f32[8]) -> f32[8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %v = f32[8]{0} parameter(1)
+  %zero = u32[]{:T(128)} constant(0)
+  %start = u32[]{:T(128)} copy(%zero)
+  %init = (u32[], f32[8,8]) tuple(%start, %x)
+  %w = (u32[], f32[8,8]) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} fusion(%v, %v, %v, %v, %v, /*index=5*/%v), kind=kLoop, calls=%six
+}
+"""
+
+
+def test_a_windowed_einsum_loop_counts_its_iterations_and_numbered_operands_count():
+    """The loop runs twice (counter 0, 2 < 4), so its matmul and its permute count twice, the
+    permute as the shard it sends; the fusion reads all six operands, the numbered one too."""
+    assert cost.matmul_flops(WINDOWED) == 2 * 2 * 8 * 8 * 8
+    (permute,) = hlo.collectives(WINDOWED)
+    assert (permute.kind, permute.count, permute.bytes) == ("collective-permute", 2, 8 * 8 * 4)
+    moved = {o.name: o.bytes for o in cost.operations(WINDOWED)}
+    assert moved["y"] == 2 * 3 * 8 * 8 * 4 and moved["r"] == 7 * 8 * 4

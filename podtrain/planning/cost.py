@@ -258,7 +258,7 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
             shapes[result] = hlo.shape_of(type_text)
             called = bodies.get(m.group(1), ()) if (m := re.search(r"\bcalls=%?([\w.\-]+)", line)) else ()
             if op == "while":
-                visit(hlo.BODY.search(line).group(1), times * hlo.trip_count(line, bodies))
+                visit(hlo.BODY.search(line).group(1), times * hlo.trip_count(line, bodies, bodies[name]))
                 continue
             if op in ("call", "conditional"):
                 for callee in hlo.callees(line):

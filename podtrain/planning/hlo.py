@@ -43,6 +43,7 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")  # stack frames, after the header
 BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _OPERATION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(([^()]*)\)")
 # Replica groups come as {{0,1},{2,3}}, as an iota [groups,size]<=[dims]T(perm), or as mesh axes:
 # mesh['axis_0'=2,'axis_1'=4], device_ids=([2,4]T(1,0)) {'axis_0'}.
@@ -86,17 +87,52 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
     return bodies, entry
 
 
-def trip_count(loop: str, bodies: dict) -> int:
-    """A while loop's iterations: its known_trip_count (CPU, GPU), else the bound its condition
-    compares the counter with (TPU's optimized HLO drops the annotation; a scan counts 0..n-1)."""
+# A scalar integer constant (a loop's counter and bounds: s32 in a scan, u32 in the TPU's windowed
+# einsums, which overlap an fsdp all-gather with its matmul in a loop over the shards).
+_INTEGER_CONSTANT = re.compile(r"= [su](?:8|16|32|64)\[\][^ ]* constant\((\d+)\)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _named(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
+    """name -> (op, operand names, line) of a computation's instructions."""
+    return {result: (op, operands, line) for line, result, _, op, operands in instructions(lines)}
+
+
+def _integer(named: dict, name: str) -> int | None:
+    """The value of an integer scalar constant, through copies of it; None for anything else."""
+    while named.get(name, ("",))[0] == "copy":
+        name = named[name][1][0]
+    found = _INTEGER_CONSTANT.search(named[name][2]) if named.get(name, ("",))[0] == "constant" else None
+    return int(found.group(1)) if found else None
+
+
+def trip_count(loop: str, bodies: dict, caller: list[str] = ()) -> int:
+    """A while loop's iterations: its known_trip_count (CPU, GPU), else (TPU's optimized HLO drops
+    the annotation) from the loop itself: its condition `counter < bound`, the counter's step in
+    the body (a scan counts 0..n-1 by 1, a windowed einsum its shards 2 at a time) and its start in
+    the initial tuple, a constant of `caller` (the computation that runs the loop), else 0."""
     known = _TRIP.search(loop)
     if known:
         return int(known.group(1))
-    condition = re.search(r"\bcondition=%?([\w.\-]+)", loop)
-    lines = bodies.get(condition.group(1), ()) if condition else ()
-    bounds = [int(m.group(1)) for line in lines for m in [re.search(r"= s32\[\][^ ]* constant\((\d+)\)", line)] if m]
-    compares_below = any("direction=LT" in line for line in lines)
-    return bounds[0] if len(bounds) == 1 and compares_below else 1
+    called = dict(re.findall(r"\b(condition|body)=%?([\w.\-]+)", loop))
+    condition = _named(bodies.get(called.get("condition"), ()))
+    compare = next((d for d in condition.values() if d[0] == "compare" and "direction=LT" in d[2]), None)
+    if compare is None or len(compare[1]) != 2:
+        return 1
+    counter, bound = condition.get(compare[1][0], ("",)), _integer(condition, compare[1][1])
+    if counter[0] != "get-tuple-element" or bound is None:
+        return 1
+    index = int(_INDEX.search(counter[2]).group(1))
+    body = _named(bodies.get(called.get("body"), ()))
+    root = next((d for d in body.values() if d[2].lstrip().startswith("ROOT")), ("", [], ""))
+    update = body.get(root[1][index], ("",)) if root[0] == "tuple" and index < len(root[1]) else ("",)
+    steps = [v for o in update[1] if (v := _integer(body, o)) is not None] if update[0] == "add" else []
+    init = re.search(r"\bwhile\(%?([\w.\-]+)\)", loop)
+    named = _named(caller)
+    start = named.get(init.group(1), ("",)) if init else ("",)
+    first = _integer(named, start[1][index]) if start[0] == "tuple" and index < len(start[1]) else None
+    step = steps[0] if steps else 1
+    return max(0, -(-(bound - (first or 0)) // step))
 
 
 def callees(line: str) -> list[str]:
@@ -114,7 +150,8 @@ def multipliers(bodies: dict, entry: str) -> dict[str, int]:
             body = BODY.search(line)
             for callee in callees(line):
                 if callee in bodies:
-                    visit(callee, n * (trip_count(line, bodies) if body and callee == body.group(1) else 1))
+                    loops = trip_count(line, bodies, bodies[name]) if body and callee == body.group(1) else 1
+                    visit(callee, n * loops)
 
     visit(entry, 1)
     return times
@@ -146,9 +183,9 @@ def collectives(hlo: str) -> list[Collective]:
             result, kind, started = match.groups()
             arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result)]
             if started and kind in ("all-gather", "collective-permute"):
-                arrays = (
-                    arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
-                )  # (inputs, outputs[, flags])
+                # (inputs, outputs), then the TPU's scalar u32 contexts: the outputs are what moves
+                arrays = [a for a in arrays if a[1]]
+                arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
             groups = _GROUPS.search(line)
             group_size = _group_size(groups.group(1)) if groups else None
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
@@ -221,4 +258,5 @@ def instructions(lines: list[str]):
         match = _OPERATION.match(line)
         if match:
             result, type_text, op, operands = match.groups()
+            operands = _COMMENT.sub("", operands)  # long operand lists are numbered: /*index=5*/%name
             yield line, result, type_text, op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
