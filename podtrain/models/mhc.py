@@ -20,12 +20,15 @@ overflow whatever the compute dtype. `model.projection=permutations` is mHC-lite
 doubly stochastic with no iterations, so φ_res and b_res have n! outputs instead of n².
 
 The token embedding is copied into the n streams; the streams are summed before the final norm.
-The model carries them flat, (batch, seq, n·C), the layout the coefficients' matmul reads.
+The model carries them as a tuple of n arrays (batch, seq, C): each sub-layer writes its new
+streams where they stay, never concatenated into one (batch, seq, n·C) array (a copy the TPU
+compiler made of every mixer's output), and the coefficients' matmul over the flattened streams
+is the sum of n matmuls, one per stream.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
 stored in the compute dtype between sub-layers.
-RMSNorm(flat x)·φ is computed as (flat x · diag(scale)φ) / rms(x), the division after the
+RMSNorm(flat x)·φ is computed as (Σ_j x_j · diag(scale_j)φ_j) / rms(x), the division after the
 projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no
 longer rounded before the product, and φ·scale is rounded to bfloat16 for it.
 """
@@ -72,7 +75,8 @@ class MhcConfig(llama.LlamaConfig):
             )
 
 
-STREAMS = ("act_batch", "act_seq", "act_embed")  # the residual streams, flat: (batch, seq, n·d_model)
+STREAMS = ("act_batch", "act_seq", "act_embed")  # each residual stream: (batch, seq, d_model)
+Streams = tuple[jax.Array, ...]  # the n residual streams
 
 
 def _logsumexp(values: list[jax.Array]) -> jax.Array:
@@ -108,24 +112,29 @@ def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
     return jnp.einsum("...k,kij->...ij", jax.nn.softmax(logits.astype(jnp.float32), axis=-1), perms)
 
 
-def _project(flat: jax.Array, phi: jax.Array, scale: jax.Array) -> jax.Array:
-    """flat @ (diag(scale) phi) in flat's dtype, accumulated in float32, with phi and the norm's scale
-    gathered whole, so each batch shard computes its coefficients alone; rematerialised, so the
-    backward gathers them again instead of keeping them, as fsdp does. The checkpointed function is
-    made anew at each trace: jax.checkpoint caches a function's trace, and the layout it pins
-    depends on the mesh being traced for."""
+def _project(xs: Streams, phi: jax.Array, scale: jax.Array) -> jax.Array:
+    """flatten(xs) @ (diag(scale) phi), as Σ_j x_j @ (its rows of diag(scale) phi), in the streams'
+    dtype, accumulated in float32, with phi and the norm's scale gathered whole, so each batch
+    shard computes its coefficients alone; rematerialised, so the backward gathers them again
+    instead of keeping them, as fsdp does. The checkpointed function is made anew at each trace:
+    jax.checkpoint caches a function's trace, and the layout it pins depends on the mesh being
+    traced for."""
 
-    def project(flat, phi, scale):
+    def project(xs, phi, scale):
         phi = constrain(phi, ("act_embed", "act_streams")) * constrain(scale, ("act_embed",))[:, None]
-        return jnp.matmul(flat, phi.astype(flat.dtype), preferred_element_type=jnp.float32)
+        c = xs[0].shape[-1]
+        parts = [
+            jnp.matmul(x, phi[j * c : (j + 1) * c].astype(x.dtype), preferred_element_type=jnp.float32)
+            for j, x in enumerate(xs)
+        ]
+        return functools.reduce(operator.add, parts)
 
-    return jax.checkpoint(project)(flat, phi, scale)
+    return jax.checkpoint(project)(xs, phi, scale)
 
 
-def _streams(x: jax.Array, n: int) -> list[jax.Array]:
-    """The n streams of flat streams x (..., n·C), each (..., C), in float32."""
-    c = x.shape[-1] // n
-    return [x[..., j * c : (j + 1) * c].astype(jnp.float32) for j in range(n)]
+def _streams(x: Streams) -> list[jax.Array]:
+    """The streams in float32."""
+    return [s.astype(jnp.float32) for s in x]
 
 
 def _weighted(weights: jax.Array, vectors: list[jax.Array]) -> jax.Array:
@@ -139,10 +148,10 @@ def _dots(a: list[jax.Array], b: list[jax.Array]) -> jax.Array:
 
 
 @jax.custom_vjp
-def read_streams(h_pre: jax.Array, x: jax.Array) -> jax.Array:
-    """H_pre · x: Σ_j h_pre[j] x_j (b, t, C) for h_pre (b, t, n) and flat streams x (b, t, n·C), in
+def read_streams(h_pre: jax.Array, x: Streams) -> jax.Array:
+    """H_pre · x: Σ_j h_pre[j] x_j (b, t, C) for h_pre (b, t, n) and the n streams x_j (b, t, C), in
     float32, returned in x's dtype; elementwise, so one pass over the streams."""
-    return _weighted(h_pre, _streams(x, h_pre.shape[-1])).astype(x.dtype)
+    return _weighted(h_pre, _streams(x)).astype(x[0].dtype)
 
 
 def _read_forward(h_pre, x):
@@ -154,21 +163,22 @@ def _read_backward(saved, d_out):
     x's dtype, is written at the streams' size."""
     h_pre, x = saved
     d_out = d_out.astype(jnp.float32)
-    dx = jnp.concatenate([h_pre[..., j, None] * d_out for j in range(h_pre.shape[-1])], axis=-1)
-    return _dots([d_out], _streams(x, h_pre.shape[-1]))[..., 0, :], dx.astype(x.dtype)
+    dx = tuple((h_pre[..., j, None] * d_out).astype(x[0].dtype) for j in range(h_pre.shape[-1]))
+    return _dots([d_out], _streams(x))[..., 0, :], dx
 
 
 read_streams.defvjp(_read_forward, _read_backward)
 
 
 @jax.custom_vjp
-def write_streams(h_res: jax.Array, h_post: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+def write_streams(h_res: jax.Array, h_post: jax.Array, x: Streams, y: jax.Array) -> Streams:
     """H_res · x + H_postᵀ · y: stream i gets Σ_j h_res[i, j] x_j + h_post[i] y, for h_res (b, t, n, n),
-    h_post (b, t, n), flat streams x (b, t, n·C), y (b, t, C). Products and sums in float32, the result
+    h_post (b, t, n), the n streams x_j (b, t, C), y (b, t, C). Products and sums in float32, the result
     in x's dtype; elementwise, so XLA reads the streams and y once and writes the new streams once."""
-    xs, y = _streams(x, h_post.shape[-1]), y.astype(jnp.float32)
-    streams = [_weighted(h_res[..., i, :], xs) + h_post[..., i, None] * y for i in range(len(xs))]
-    return jnp.concatenate(streams, axis=-1).astype(x.dtype)
+    xs, y = _streams(x), y.astype(jnp.float32)
+    return tuple(
+        (_weighted(h_res[..., i, :], xs) + h_post[..., i, None] * y).astype(x[0].dtype) for i in range(len(xs))
+    )
 
 
 def _write_forward(h_res, h_post, x, y):
@@ -180,11 +190,11 @@ def _write_backward(saved, d_out):
     <d_i, y>: the incoming gradient is widened to float32 inside the passes, never written so."""
     h_res, h_post, x, y = saved
     n = h_post.shape[-1]
-    ds = _streams(d_out, n)
-    dx = jnp.concatenate([_weighted(h_res[..., :, j], ds) for j in range(n)], axis=-1)
-    dh_res = _dots(ds, _streams(x, n))
+    ds = _streams(d_out)
+    dx = tuple(_weighted(h_res[..., :, j], ds).astype(x[0].dtype) for j in range(n))
+    dh_res = _dots(ds, _streams(x))
     dh_post = _dots(ds, [y.astype(jnp.float32)])[..., 0]
-    return dh_res, dh_post, dx.astype(x.dtype), _weighted(h_post, ds).astype(y.dtype)
+    return dh_res, dh_post, dx, _weighted(h_post, ds).astype(y.dtype)
 
 
 write_streams.defvjp(_write_forward, _write_backward)
@@ -207,14 +217,14 @@ class StreamMixer(nnx.Module):
             jnp.zeros((sum(self.sizes),), jnp.float32), out_sharding=("streams",), eager_sharding=False
         )
 
-    def coefficients(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for flat streams x (b, t, n·C).
+    def coefficients(self, x: Streams) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """H_pre (b, t, n), H_post (b, t, n), H_res (b, t, n, n) in float32, for the n streams x (b, t, C).
 
         RMSNorm(flat x) φ = (flat x (diag(scale) φ)) / rms(x): the division comes after the
         projection (as in the paper's kernels), so the normalised streams are never written."""
-        b, t, n = *x.shape[:2], self.n
-        x32 = x.astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + self.norm.eps)
+        b, t, n = *x[0].shape[:2], self.n
+        squares = functools.reduce(operator.add, [jnp.sum(jnp.square(s.astype(jnp.float32)), axis=-1) for s in x])
+        inv_rms = jax.lax.rsqrt(squares / (n * x[0].shape[-1]) + self.norm.eps)
         projected = _project(x, self.phi[...], self.norm.scale[...]) * inv_rms[..., None]
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
         pre, post, res = jnp.split(
@@ -227,12 +237,12 @@ class StreamMixer(nnx.Module):
         )
         return jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post), h_res
 
-    def __call__(self, x: jax.Array, branch) -> jax.Array:
+    def __call__(self, x: Streams, branch) -> Streams:
         """The coefficients and their products with the streams stay float32 (H_res doubly stochastic
         to float32 precision); the sums return to the compute dtype."""
         h_pre, h_post, h_res = self.coefficients(x)
         y = branch(read_streams(h_pre, x))
-        return constrain(write_streams(h_res, h_post, x, y), STREAMS)
+        return tuple(constrain(s, STREAMS) for s in write_streams(h_res, h_post, x, y))
 
 
 class MhcBlock(llama.Block):
@@ -241,21 +251,21 @@ class MhcBlock(llama.Block):
         self.attn_mix = StreamMixer(cfg, rngs)
         self.mlp_mix = StreamMixer(cfg, rngs)
 
-    def residual(self, streams: jax.Array, attend) -> jax.Array:
-        streams = self.attn_mix(constrain(streams, STREAMS), attend)
+    def residual(self, streams: Streams, attend) -> Streams:
+        streams = self.attn_mix(tuple(constrain(s, STREAMS) for s in streams), attend)
         return self.mlp_mix(streams, self.mlp_branch)
 
 
 class Mhc(llama.Llama):
-    """tokens (batch, seq) -> logits; the blocks carry the streams flat, (batch, seq, streams·d_model)."""
+    """tokens (batch, seq) -> logits; the blocks carry the streams as a tuple of (batch, seq, d_model)."""
 
     block = MhcBlock
 
-    def widen(self, x: jax.Array) -> jax.Array:
-        return constrain(jnp.tile(x, self.cfg.streams), STREAMS)
+    def widen(self, x: jax.Array) -> Streams:
+        return tuple(constrain(x, STREAMS) for _ in range(self.cfg.streams))
 
-    def narrow(self, state: jax.Array) -> jax.Array:
-        return state.reshape(*state.shape[:-1], self.cfg.streams, -1).sum(axis=-2)
+    def narrow(self, state: Streams) -> jax.Array:
+        return functools.reduce(operator.add, state)
 
 
 def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int) -> float:
