@@ -126,13 +126,12 @@ def trip_count(loop: str, bodies: dict, caller: list[str] = ()) -> int:
     body = _named(bodies.get(called.get("body"), ()))
     root = next((d for d in body.values() if d[2].lstrip().startswith("ROOT")), ("", [], ""))
     update = body.get(root[1][index], ("",)) if root[0] == "tuple" and index < len(root[1]) else ("",)
-    steps = [v for o in update[1] if (v := _integer(body, o)) is not None] if update[0] == "add" else []
+    step = next((v for o in update[1] if (v := _integer(body, o))), 1) if update[0] == "add" else 1
     init = re.search(r"\bwhile\(%?([\w.\-]+)\)", loop)
     named = _named(caller)
     start = named.get(init.group(1), ("",)) if init else ("",)
-    first = _integer(named, start[1][index]) if start[0] == "tuple" and index < len(start[1]) else None
-    step = steps[0] if steps else 1
-    return max(0, -(-(bound - (first or 0)) // step))
+    first = (_integer(named, start[1][index]) if start[0] == "tuple" and index < len(start[1]) else None) or 0
+    return max(0, -(-(bound - first) // step))
 
 
 def callees(line: str) -> list[str]:
