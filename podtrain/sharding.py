@@ -90,8 +90,23 @@ def replicated(named_shapes: dict[str, tuple[tuple, tuple]], mesh: Mesh) -> list
     return found
 
 
+# The TPU compiler's partitioning choices for fsdp. By default it overlaps a weight's all-gather
+# (and a gradient's reduce-scatter) with its matmul in a windowed einsum: a loop over the shards
+# that, where the sharded dimension is contracted, reads and writes the whole output once per
+# shard. Gathering the layer's weights whole instead (still asynchronous, ahead of their use) and
+# reducing each gradient in one all-reduce-scatter fusion moves 445 -> 257 GiB per chip in the 3B
+# twin's step (docs/performance.md). MaxText's tuned flag sets turn the windowed einsums off too.
+TPU_COMPILER_OPTIONS = {
+    "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+    "xla_tpu_use_minor_sharding_for_major_trivial_input": True,
+    "xla_tpu_relayout_group_size_threshold_for_reduce_scatter": 1,
+}
+
+
 def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
-    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply."""
+    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply;
+    on TPU compiled with `TPU_COMPILER_OPTIONS`."""
 
     @functools.wraps(fn)
     def on_mesh(*args, **kwargs):
@@ -101,6 +116,8 @@ def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
         finally:
             _TRACING_MESH.reset(token)
 
+    if mesh.devices.flat[0].platform == "tpu":
+        jit_kwargs.setdefault("compiler_options", TPU_COMPILER_OPTIONS)
     return jax.jit(on_mesh, **jit_kwargs)
 
 

@@ -7,15 +7,20 @@ collective with a dimension that is a multiple of the sequence length carries ac
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from podtrain.config.load import load_config
+from podtrain.config.schema import MeshConfig
+from podtrain.planning import targets
 from podtrain.planning.hlo import collectives, summary
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.job import compile_step
 from podtrain.train.state import model_fns
+
+from helpers import needs_libtpu
 
 SEQ, BATCH, D_MODEL, LAYERS = 40, 16, 128, 2
 # Eight query heads on two k/v heads: on tensor=8 the k/v heads are repeated.
@@ -161,3 +166,20 @@ def test_collectives_are_read_with_their_trip_counts():
     assert found["all-reduce"].shapes == ((16, 2), (8,)) and found["all-reduce"].bytes == 16 * 2 * 4 + 8 * 2
     assert (found["all-reduce"].count, found["all-reduce"].group_size) == (1, 4)
     assert summary(collectives(HLO))["all-gather"] == 3 * 32 * 8 * 4
+
+
+@needs_libtpu
+def test_on_tpu_fsdp_gathers_a_weight_whole_before_its_matmul():
+    """A 3B layer's MLP matmul, fsdp-sharded over a v6e-8 on the contracted dimension: the TPU
+    compiler's default is a windowed einsum (the weight's shards passed round in a loop, each
+    partial product added to the whole output); compiled by `sharded_jit`, one all-gather."""
+    mesh = build_mesh(MeshConfig(data=1, fsdp=8), targets.target("v6e-8").devices)
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    x = jax.ShapeDtypeStruct((16, 2048, 3072), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((3072, 16384), jnp.bfloat16, sharding=rows)
+
+    def moved(jitted):
+        return {k: v for k, v in summary(collectives(jitted.lower(x, w).compile().as_text())).items() if v}
+
+    assert set(moved(jax.jit(jnp.matmul, out_shardings=rows))) == {"collective-permute"}
+    assert moved(sharded_jit(jnp.matmul, mesh, out_shardings=rows)) == {"all-gather": 3072 * 16384 * 2}

@@ -215,3 +215,36 @@ def test_a_windowed_einsum_loop_counts_its_iterations_and_numbered_operands_coun
     assert (permute.kind, permute.count, permute.bytes) == ("collective-permute", 2, 8 * 8 * 4)
     moved = {o.name: o.bytes for o in cost.operations(WINDOWED)}
     assert moved["y"] == 2 * 3 * 8 * 8 * 4 and moved["r"] == 7 * 8 * 4
+
+
+# The TPU's reduce-scatter of a gradient: a fusion whose computation all-reduces and returns this
+# device's slice (the ring moves each slice once, as a reduce-scatter does), beside a plain
+# all-reduce whose result the program slices later.
+ALL_REDUCE_SCATTER = """HloModule m
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+%all-reduce-scatter (input: bf16[64,8]) -> bf16[8,8] {
+  %input = bf16[64,8]{1,0} parameter(0)
+  %ar = bf16[64,8]{1,0} all-reduce(%input), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %offset = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %slice = bf16[8,8]{1,0} dynamic-slice(%ar, %offset, %zero), dynamic_slice_sizes={8,8}
+}
+
+ENTRY %main (g: bf16[64,8], h: bf16[64,8], i: s32[]) -> (bf16[8,8], bf16[64,8]) {
+  %g = bf16[64,8]{1,0} parameter(0)
+  %h = bf16[64,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %rs = bf16[8,8]{1,0} fusion(%g, %i), kind=kCustom, calls=%all-reduce-scatter
+  %full = bf16[64,8]{1,0} all-reduce(%h), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %t = (bf16[8,8], bf16[64,8]) tuple(%rs, %full)
+}
+"""
+
+
+def test_an_all_reduce_the_tpu_fuses_with_its_slice_counts_as_a_reduce_scatter():
+    totals = hlo.summary(hlo.collectives(ALL_REDUCE_SCATTER))
+    assert totals["reduce-scatter"] == totals["all-reduce"] == 64 * 8 * 2

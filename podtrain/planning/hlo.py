@@ -32,7 +32,7 @@ DTYPE_BYTES = {
 }
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 # An array with its layout, whose S(n) names the memory it lives in: TPU's memory-space assignment
 # puts buffers in on-chip memories (S(1) VMEM, and scalar spaces) beside device memory (no S).
@@ -179,7 +179,7 @@ def collectives(hlo: str) -> list[Collective]:
             match = _INSTRUCTION.match(line)
             if not match:
                 continue
-            result, kind, started = match.groups()
+            instruction, result, kind, started = match.groups()
             arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result)]
             if started and kind in ("all-gather", "collective-permute"):
                 # (inputs, outputs), then the TPU's scalar u32 contexts: the outputs are what moves
@@ -190,6 +190,8 @@ def collectives(hlo: str) -> list[Collective]:
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
             if kind == "reduce-scatter":
                 size *= group_size or 1
+            elif kind == "all-reduce" and _sliced_by_root(lines, instruction):
+                kind = "reduce-scatter"  # the TPU's all-reduce-scatter fusion: each device keeps its slice
             found.append(
                 Collective(
                     kind,
@@ -203,6 +205,12 @@ def collectives(hlo: str) -> list[Collective]:
                 )
             )
     return found
+
+
+def _sliced_by_root(lines: list[str], instruction: str) -> bool:
+    """Whether a computation's lines return a dynamic slice of `instruction`."""
+    root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
+    return bool(re.search(r"\sdynamic-slice\(%?" + re.escape(instruction) + r"[,)]", root))
 
 
 def summary(found: list[Collective]) -> dict[str, int]:
