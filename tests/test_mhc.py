@@ -305,3 +305,22 @@ def test_mixing_moves_the_streams_in_the_compute_dtype_on_tpu():
     stream_sized_f32 = [o for o in ops if re.search(rf"f32\[1,{tokens},(4,{d}|{4 * d}|{d})\]", o.shape)]
     assert not stream_sized_f32, [(o.shape, o.source) for o in stream_sized_f32]
     assert sum(o.bytes for o in ops) <= 60 * tokens * d * 2
+
+
+def test_remat_full_keeps_the_branch_outputs_instead_of_recomputing_them(monkeypatch):
+    """The mixing's backward needs each sub-layer's branch output (for dH_post) and the coefficients'
+    projection. Kept under remat full, the backward's recomputation skips the attention's output
+    projection, the MLP's down projection and both mixers' projections: exactly their forward
+    FLOPs fewer than with nothing kept."""
+    from podtrain.models import layers
+    from podtrain.train.job import compile_step
+
+    cfg = load_config(None, MHC + ["model.remat=full", "mesh.data=1"])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:1])
+    kept = cost.matmul_flops(compile_step(cfg, mesh).as_text())
+    monkeypatch.setitem(layers.REMAT_POLICIES, "full", jax.checkpoint_policies.nothing_saveable)
+    recomputed = cost.matmul_flops(compile_step(cfg, mesh).as_text())
+    m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
+    projection = m.streams * m.d_model * (2 * m.streams + m.streams**2)
+    per_token = m.d_model * m.d_model + m.d_ff * m.d_model + 2 * projection
+    assert recomputed - kept == m.n_layers * 2 * tokens * per_token

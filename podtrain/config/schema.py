@@ -85,7 +85,9 @@ class ModelConfig:
     rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths", "> 0")
     norm_eps: float = key(1e-5, "epsilon of RMSNorm", "> 0")
     remat: Literal["none", "full", "dots"] = key(
-        "none", "what the backward recomputes: nothing, each layer in full, or all but the matmul outputs"
+        "none",
+        "what the backward recomputes: nothing, each layer in full (bar what the model marks as kept: mHC's "
+        "branch inputs and outputs, its mixing projection), or all but the matmul outputs",
     )
     scan_unroll: int = key(1, "layers per scan iteration; the layer count unrolls fully", ">= 1")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = key(

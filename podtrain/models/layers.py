@@ -202,8 +202,14 @@ class SwiGLU(nnx.Module):
         return constrain(hidden @ w_down, self.x_axes)
 
 
+# What a layer marks with `checkpoint_name(x, KEPT)` is cheaper kept than recomputed: remat full
+# keeps it. mHC marks each sub-layer's branch output, which its backward needs (for dH_post) and a
+# plain residual's never does (recomputing it redid the attention's output projection and the MLP's
+# down projection), the branch's input and the coefficients' projection, whose recomputation reads
+# all n streams (docs/performance.md).
+KEPT = "kept_under_remat"
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": jax.checkpoint_policies.save_only_these_names(KEPT),
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 

@@ -27,7 +27,9 @@ is the sum of n matmuls, one per stream.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
-stored in the compute dtype between sub-layers.
+stored in the compute dtype between sub-layers. Under remat full a sub-layer keeps (`KEPT`) what
+its backward would otherwise recompute with a pass over all n streams, or with the branch's output
+projection: the branch's input and output, the coefficients' projection and 1/rms.
 RMSNorm(flat x)·φ is computed as (Σ_j x_j · diag(scale_j)φ_j) / rms(x), the division after the
 projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no
 longer rounded before the product, and φ·scale is rounded to bfloat16 for it.
@@ -46,12 +48,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from podtrain.config.schema import ModelConfig, key, same_key
 from podtrain.errors import ConfigError
 from podtrain.models import llama
 from podtrain.models.family import Family
-from podtrain.models.layers import RMSNorm, param
+from podtrain.models.layers import KEPT, RMSNorm, param
 from podtrain.sharding import constrain
 from podtrain.train.tasks.language import LanguageTask
 
@@ -225,7 +228,9 @@ class StreamMixer(nnx.Module):
         b, t, n = *x[0].shape[:2], self.n
         squares = functools.reduce(operator.add, [jnp.sum(jnp.square(s.astype(jnp.float32)), axis=-1) for s in x])
         inv_rms = jax.lax.rsqrt(squares / (n * x[0].shape[-1]) + self.norm.eps)
-        projected = _project(x, self.phi[...], self.norm.scale[...]) * inv_rms[..., None]
+        # Both kept under remat full (small per token; recomputing either reads all n streams).
+        raw, inv_rms = checkpoint_name((_project(x, self.phi[...], self.norm.scale[...]), inv_rms), KEPT)
+        projected = raw * inv_rms[..., None]
         gate = jnp.repeat(self.alpha[...], np.array(self.sizes), total_repeat_length=sum(self.sizes))
         pre, post, res = jnp.split(
             gate[None, None] * projected + self.bias[...][None, None], np.cumsum(self.sizes)[:2], axis=-1
@@ -241,7 +246,9 @@ class StreamMixer(nnx.Module):
         """The coefficients and their products with the streams stay float32 (H_res doubly stochastic
         to float32 precision); the sums return to the compute dtype."""
         h_pre, h_post, h_res = self.coefficients(x)
-        y = branch(read_streams(h_pre, x))
+        # Kept under remat full: the branch's input (one stream, where recomputing it reads all n)
+        # and its output, which write_streams' backward needs and a plain residual's does not.
+        y = checkpoint_name(branch(checkpoint_name(read_streams(h_pre, x), KEPT)), KEPT)
         return tuple(constrain(s, STREAMS) for s in write_streams(h_res, h_post, x, y))
 
 
