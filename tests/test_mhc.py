@@ -313,14 +313,19 @@ def test_remat_full_keeps_the_branch_outputs_instead_of_recomputing_them(monkeyp
     projection, the MLP's down projection and both mixers' projections: exactly their forward
     FLOPs fewer than with nothing kept."""
     from podtrain.models import layers
-    from podtrain.train.job import compile_step
 
     cfg = load_config(None, MHC + ["model.remat=full", "mesh.data=1"])
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
-    kept = cost.matmul_flops(compile_step(cfg, mesh).as_text())
+    fns = model_fns(cfg, mesh)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len), jnp.int32)
+
+    def matmul_flops():
+        grad = sharded_jit(jax.grad(lambda params, t: jnp.sum(fns.apply(params, t))), mesh)
+        return cost.matmul_flops(grad.lower(fns.abstract_params, tokens).compile().as_text())
+
+    kept = matmul_flops()
     monkeypatch.setitem(layers.REMAT_POLICIES, "full", jax.checkpoint_policies.nothing_saveable)
-    recomputed = cost.matmul_flops(compile_step(cfg, mesh).as_text())
-    m, tokens = cfg.model, cfg.train.batch_size * cfg.train.seq_len
-    projection = m.streams * m.d_model * (2 * m.streams + m.streams**2)
-    per_token = m.d_model * m.d_model + m.d_ff * m.d_model + 2 * projection
-    assert recomputed - kept == m.n_layers * 2 * tokens * per_token
+    recomputed = matmul_flops()
+    m, n = cfg.model, cfg.model.streams
+    per_token = m.d_model * m.d_model + m.d_ff * m.d_model + 2 * n * m.d_model * (2 * n + n * n)
+    assert recomputed - kept == m.n_layers * 2 * tokens.size * per_token
