@@ -23,7 +23,7 @@ The token embedding is copied into the n streams; the streams are summed before 
 The model carries them as a tuple of n arrays (batch, seq, C): each sub-layer writes its new
 streams where they stay, never concatenated into one (batch, seq, n·C) array (a copy the TPU
 compiler made of every mixer's output), and the coefficients' matmul over the flattened streams
-is the sum of n matmuls, one per stream.
+is the sum of n matmuls, one per stream, whose gradient to the streams is written elementwise.
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
 `model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
 The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
@@ -126,13 +126,40 @@ def _project(xs: Streams, phi: jax.Array, scale: jax.Array) -> jax.Array:
     def project(xs, phi, scale):
         phi = constrain(phi, ("act_embed", "act_streams")) * constrain(scale, ("act_embed",))[:, None]
         c = xs[0].shape[-1]
-        parts = [
-            jnp.matmul(x, phi[j * c : (j + 1) * c].astype(x.dtype), preferred_element_type=jnp.float32)
-            for j, x in enumerate(xs)
-        ]
-        return functools.reduce(operator.add, parts)
+        return _streams_matmul(xs, tuple(phi[j * c : (j + 1) * c].astype(xs[0].dtype) for j in range(len(xs))))
 
     return jax.checkpoint(project)(xs, phi, scale)
+
+
+@jax.custom_vjp
+def _streams_matmul(xs: Streams, ws: Streams) -> jax.Array:
+    """Σ_j x_j @ w_j, accumulated in float32."""
+    return functools.reduce(
+        operator.add, [jnp.matmul(x, w, preferred_element_type=jnp.float32) for x, w in zip(xs, ws)]
+    )
+
+
+def _streams_matmul_fwd(xs, ws):
+    return _streams_matmul(xs, ws), (xs, ws)
+
+
+def _streams_matmul_bwd(saved, d):
+    """dx_j = d @ w_jᵀ as k multiply-adds per element (k = 2n + n² is small): elementwise, so the
+    TPU compiler fuses it with the streams' other gradient terms, where a matmul rooted one fusion
+    per stream that read all n incoming stream gradients; w_jᵀ's rows are contiguous for the CPU.
+    dw_j = x_jᵀ d. Both in float32."""
+    xs, ws = saved
+    k, lead = d.shape[-1], (1,) * (d.ndim - 1)
+    rows = [w.T.astype(jnp.float32) for w in ws]  # (k, C): each term's weights contiguous
+    dx = tuple(
+        functools.reduce(operator.add, [d[..., i, None] * r[i].reshape(lead + (-1,)) for i in range(k)]).astype(x.dtype)
+        for x, r in zip(xs, rows)
+    )
+    dw = tuple(jnp.einsum("...c,...k->ck", x.astype(jnp.float32), d).astype(w.dtype) for x, w in zip(xs, ws))
+    return dx, dw
+
+
+_streams_matmul.defvjp(_streams_matmul_fwd, _streams_matmul_bwd)
 
 
 def _streams(x: Streams) -> list[jax.Array]:
