@@ -202,11 +202,8 @@ class SwiGLU(nnx.Module):
         return constrain(hidden @ w_down, self.x_axes)
 
 
-# What a layer marks with `checkpoint_name(x, KEPT)` is cheaper kept than recomputed: remat full
-# keeps it. mHC marks each sub-layer's branch output, which its backward needs (for dH_post) and a
-# plain residual's never does (recomputing it redid the attention's output projection and the MLP's
-# down projection), the branch's input and the coefficients' projection, whose recomputation reads
-# all n streams (docs/performance.md).
+# What a layer marks with `checkpoint_name(x, KEPT)` is cheaper kept than recomputed, and remat
+# full keeps it: mHC's branch inputs and outputs and its mixing projection (models/mhc.py).
 KEPT = "kept_under_remat"
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.save_only_these_names(KEPT),
