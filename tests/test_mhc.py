@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
+from podtrain.models import layers
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
 from podtrain.planning import cost
 from podtrain.planning import targets as hardware
@@ -312,8 +313,6 @@ def test_remat_full_keeps_the_branch_outputs_instead_of_recomputing_them(monkeyp
     projection. Kept under remat full, the backward's recomputation skips the attention's output
     projection, the MLP's down projection and both mixers' projections: exactly their forward
     FLOPs fewer than with nothing kept."""
-    from podtrain.models import layers
-
     cfg = load_config(None, MHC + ["model.remat=full", "mesh.data=1"])
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
     fns = model_fns(cfg, mesh)
