@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
-from podtrain.models import layers
+from podtrain.models import layers, mhc
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
 from podtrain.planning import cost
 from podtrain.planning import targets as hardware
@@ -278,6 +278,23 @@ def test_sinkhorn_equals_the_reference_loop(iters):
     ref, ref_grad = jax.value_and_grad(lambda z: jnp.sum(reference_sinkhorn(z, iters) * cotangent))(logits)
     np.testing.assert_allclose(out, ref, rtol=1e-5)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_tpus_elementwise_projection_gradient_equals_the_matmuls(dtype):
+    """The coefficients' projection has two backwards, picked by platform: k multiply-adds per
+    element on a TPU, matmuls elsewhere. Both give the same stream and weight gradients."""
+    keys = jax.random.split(jax.random.key(7), 9)
+    xs = tuple(jax.random.normal(keys[i], (2, 5, 16), dtype) for i in range(4))
+    ws = tuple(jax.random.normal(keys[4 + i], (16, 24), dtype) for i in range(4))
+    d = jax.random.normal(keys[8], (2, 5, 24))
+    elementwise = mhc._streams_matmul_bwd_elementwise(xs, ws, d)
+    dots = mhc._streams_matmul_bwd_dots(xs, ws, d)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol), elementwise, dots
+    )
+    assert jax.tree.map(lambda a: a.dtype, elementwise) == jax.tree.map(lambda a: a.dtype, dots)
 
 
 @needs_libtpu

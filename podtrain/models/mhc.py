@@ -14,10 +14,11 @@ and the coefficients, each a static part b plus an input-dependent part gated by
     H_pre = σ(H~_pre),  H_post = 2 σ(H~_post),  H_res = SinkhornKnopp(H~_res)       (eq. 8)
 
 Sinkhorn-Knopp starts from exp(H~_res) and alternates column and row normalisation
-(`model.sinkhorn_iters`, 20 in the paper); here it runs in float32 log space, so it cannot
-overflow whatever the compute dtype. `model.projection=permutations` is mHC-lite
-(arXiv 2601.05732): H_res = Σ_k softmax(H~_res)_k P_k over the n! permutation matrices P_k, exactly
-doubly stochastic with no iterations, so φ_res and b_res have n! outputs instead of n².
+(`model.sinkhorn_iters`, 20 in the paper); here in float32, its first iteration in log space, so
+it cannot overflow whatever the compute dtype, and recomputed in the backward.
+`model.projection=permutations` is mHC-lite (arXiv 2601.05732): H_res = Σ_k softmax(H~_res)_k P_k
+over the n! permutation matrices P_k, exactly doubly stochastic with no iterations, so φ_res and
+b_res have n! outputs instead of n².
 
 The token embedding is copied into the n streams; the streams are summed before the final norm.
 The model carries them as a tuple of n arrays (batch, seq, C): each sub-layer writes its new
@@ -82,31 +83,25 @@ STREAMS = ("act_batch", "act_seq", "act_embed")  # each residual stream: (batch,
 Streams = tuple[jax.Array, ...]  # the n residual streams
 
 
-def _logsumexp(values: list[jax.Array]) -> jax.Array:
-    """log Σ exp over a list of equally shaped arrays, elementwise (max-subtracted, as jax.nn.logsumexp)."""
-    top = jax.lax.stop_gradient(functools.reduce(jnp.maximum, values))
-    return top + jnp.log(functools.reduce(operator.add, [jnp.exp(v - top) for v in values]))
-
-
 def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
     """The doubly stochastic matrix Sinkhorn-Knopp makes of exp(logits), over the last two axes.
 
-    In float32 log space, on the n² entries as separate arrays of the leading (token) shape, so
-    that an iteration is elementwise across tokens: one pass over small per-token arrays, never
-    reductions over (.., n, n) tiles that a TPU pads to (8, 128). The iterations stay a loop
-    (unrolled, the chain of fused elementwise iterations grows the compiled code without bound)."""
-    n = logits.shape[-1]
+    The n x n entries go first, the tokens last: an iteration is then elementwise across tokens,
+    with sums over the leading axes, never reductions over (.., n, n) tiles that a TPU pads to
+    (8, 128). The first iteration runs in float32 log space, so it cannot overflow whatever the
+    compute dtype; it leaves rows that sum to 1, each with an entry of at least 1/n, so the later
+    ones divide the entries themselves (no exp or log) and no row sum can vanish; a column whose
+    entries all underflowed stays zero. The iterations stay a loop (unrolled, the chain of fused
+    elementwise iterations grows the compiled code without bound)."""
+    log_k = jnp.moveaxis(logits.astype(jnp.float32), (-2, -1), (0, 1))
+    log_p = log_k - jax.nn.logsumexp(log_k, axis=0, keepdims=True)
+    first = jnp.exp(log_p - jax.nn.logsumexp(log_p, axis=1, keepdims=True))
 
-    def normalise(_, log_p):
-        log_p = [log_p[i * n : (i + 1) * n] for i in range(n)]
-        columns = [_logsumexp([log_p[i][j] for i in range(n)]) for j in range(n)]
-        log_p = [[log_p[i][j] - columns[j] for j in range(n)] for i in range(n)]
-        rows = [_logsumexp(log_p[i]) for i in range(n)]
-        return tuple(log_p[i][j] - rows[i] for i in range(n) for j in range(n))
+    def normalise(_, p):
+        p = p / jnp.maximum(jnp.sum(p, axis=0, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        return p / jnp.sum(p, axis=1, keepdims=True)
 
-    entries = tuple(logits[..., i, j].astype(jnp.float32) for i in range(n) for j in range(n))
-    log_p = jax.lax.fori_loop(0, iters, normalise, entries)
-    return jnp.stack([jnp.exp(v) for v in log_p], axis=-1).reshape(logits.shape)
+    return jnp.moveaxis(jax.lax.fori_loop(1, iters, normalise, first), (0, 1), (-2, -1))
 
 
 def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
@@ -144,11 +139,14 @@ def _streams_matmul_fwd(xs, ws):
 
 
 def _streams_matmul_bwd(saved, d):
-    """dx_j = d @ w_jᵀ as k multiply-adds per element (k = 2n + n² is small): elementwise, so the
-    TPU compiler fuses it with the streams' other gradient terms, where a matmul rooted one fusion
-    per stream that read all n incoming stream gradients; w_jᵀ's rows are contiguous for the CPU.
-    dw_j = x_jᵀ d. Both in float32."""
-    xs, ws = saved
+    """dx_j = d @ w_jᵀ and dw_j = x_jᵀ d, in float32. On a TPU, dx_j is k multiply-adds per element
+    (k = 2n + n² is small): elementwise, so the compiler fuses it with the streams' other gradient
+    terms, where a matmul rooted one fusion per stream that read all n incoming stream gradients.
+    Elsewhere matmuls are faster (on a CPU, 11x for dx at mhc_tiny's size)."""
+    return jax.lax.platform_dependent(*saved, d, tpu=_streams_matmul_bwd_elementwise, default=_streams_matmul_bwd_dots)
+
+
+def _streams_matmul_bwd_elementwise(xs, ws, d):
     k, lead = d.shape[-1], (1,) * (d.ndim - 1)
     rows = [w.T.astype(jnp.float32) for w in ws]  # (k, C): each term's weights contiguous
     dx = tuple(
@@ -156,6 +154,13 @@ def _streams_matmul_bwd(saved, d):
         for x, r in zip(xs, rows)
     )
     dw = tuple(jnp.einsum("...c,...k->ck", x.astype(jnp.float32), d).astype(w.dtype) for x, w in zip(xs, ws))
+    return dx, dw
+
+
+def _streams_matmul_bwd_dots(xs, ws, d):
+    flat = d.reshape(-1, d.shape[-1])
+    dx = tuple(jnp.matmul(d, w.T.astype(jnp.float32)).astype(x.dtype) for x, w in zip(xs, ws))
+    dw = tuple((flat.T @ x.reshape(flat.shape[0], -1).astype(jnp.float32)).T.astype(w.dtype) for x, w in zip(xs, ws))
     return dx, dw
 
 
@@ -265,7 +270,9 @@ class StreamMixer(nnx.Module):
         h_res = (
             permutation_mixture(res, n)
             if self.projection == "permutations"
-            else sinkhorn(res.reshape(b, t, n, n), self.iters)
+            # Recomputed in the backward: the iterations cost little; keeping each one's entries for
+            # every layer copies them through the layer scan (mhc_tiny's CPU step 1.12x slower).
+            else jax.checkpoint(sinkhorn, static_argnums=1)(res.reshape(b, t, n, n), self.iters)
         )
         return jax.nn.sigmoid(pre), 2 * jax.nn.sigmoid(post), h_res
 
