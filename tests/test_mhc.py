@@ -44,6 +44,9 @@ def test_sinkhorn_stays_finite_at_1e4_in_bfloat16():
     p = sinkhorn(random_signs, 20)
     assert bool(jnp.isfinite(p).all()) and p.dtype == jnp.float32
     np.testing.assert_allclose(p.sum(-1), 1, atol=1e-5)  # rows are normalised last
+    cotangent = jax.random.normal(jax.random.key(2), random_signs.shape)
+    grad = jax.grad(lambda z: jnp.sum(sinkhorn(z, 20) * cotangent))(random_signs.astype(jnp.float32))
+    assert bool(jnp.isfinite(grad).all())
 
 
 def test_permutation_mixture_weighs_the_permutations_in_order():

@@ -89,19 +89,49 @@ def sinkhorn(logits: jax.Array, iters: int) -> jax.Array:
     The n x n entries go first, the tokens last: an iteration is then elementwise across tokens,
     with sums over the leading axes, never reductions over (.., n, n) tiles that a TPU pads to
     (8, 128). The first iteration runs in float32 log space, so it cannot overflow whatever the
-    compute dtype; it leaves rows that sum to 1, each with an entry of at least 1/n, so the later
-    ones divide the entries themselves (no exp or log) and no row sum can vanish; a column whose
-    entries all underflowed stays zero. The iterations stay a loop (unrolled, the chain of fused
-    elementwise iterations grows the compiled code without bound)."""
+    compute dtype. It leaves columns that each summed to 1 divided by row sums of at most n, so
+    every later column and row sum is at least 1/n (entries are at most 1): the later iterations
+    divide the entries themselves, with no exp or log, and no sum can vanish."""
     log_k = jnp.moveaxis(logits.astype(jnp.float32), (-2, -1), (0, 1))
     log_p = log_k - jax.nn.logsumexp(log_k, axis=0, keepdims=True)
     first = jnp.exp(log_p - jax.nn.logsumexp(log_p, axis=1, keepdims=True))
+    return jnp.moveaxis(_balance(first, iters - 1), (0, 1), (-2, -1))
 
-    def normalise(_, p):
-        p = p / jnp.maximum(jnp.sum(p, axis=0, keepdims=True), jnp.finfo(jnp.float32).tiny)
-        return p / jnp.sum(p, axis=1, keepdims=True)
 
-    return jnp.moveaxis(jax.lax.fori_loop(1, iters, normalise, first), (0, 1), (-2, -1))
+def _normalise(p: jax.Array) -> jax.Array:
+    """One Sinkhorn iteration on p (n, n, ...): columns, then rows, divided by their sums."""
+    p = p / jnp.sum(p, axis=0, keepdims=True)
+    return p / jnp.sum(p, axis=1, keepdims=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _balance(p: jax.Array, iters: int) -> jax.Array:
+    """`iters` Sinkhorn iterations on p, a loop (unrolled, the chain of fused elementwise iterations
+    grows the compiled code without bound)."""
+    return jax.lax.fori_loop(0, iters, lambda _, p: _normalise(p), p)
+
+
+def _balance_forward(p, iters):
+    return jax.lax.scan(lambda p, _: (_normalise(p), p), p, None, length=iters)
+
+
+def _balance_backward(iters, inputs, d_out):
+    """Each iteration's gradient from its input alone (its sums recomputed): for a = p / c (column
+    sums c) and q = a / r (row sums r), da = (dq - Σ_j dq q) / r and dp = (da - Σ_i da a) / c. Only
+    the inputs are kept, one (n, n, ...) array per iteration; autodiff kept several and was slower
+    (mhc_tiny's CPU step 1.08x)."""
+
+    def step(d, p):
+        c = jnp.sum(p, axis=0, keepdims=True)
+        a = p / c
+        r = jnp.sum(a, axis=1, keepdims=True)
+        da = (d - jnp.sum(d * a, axis=1, keepdims=True) / r) / r
+        return (da - jnp.sum(da * a, axis=0, keepdims=True)) / c, None
+
+    return (jax.lax.scan(step, d_out, inputs, reverse=True)[0],)
+
+
+_balance.defvjp(_balance_forward, _balance_backward)
 
 
 def permutation_mixture(logits: jax.Array, n: int) -> jax.Array:
