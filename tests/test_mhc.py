@@ -301,6 +301,23 @@ def test_the_tpus_elementwise_projection_gradient_equals_the_matmuls(dtype):
 
 
 @needs_libtpu
+def test_the_projection_gradient_is_elementwise_on_tpu_and_matmuls_elsewhere():
+    """The platform picks the backward when the program is lowered: for a TPU only the weight
+    gradients are matmuls (4), for the CPU the stream gradients too (8)."""
+
+    def matmuls_for(device):
+        def spec(shape, dtype=jnp.bfloat16):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+        saved = tuple(spec((2, 8, 256)) for _ in range(4)), tuple(spec((256, 24)) for _ in range(4))
+        program = jax.jit(mhc._streams_matmul_bwd).lower(saved, spec((2, 8, 24), jnp.float32)).as_text()
+        return program.count("stablehlo.dot_general")
+
+    assert matmuls_for(hardware.target("v6e-8").devices[0]) == 4
+    assert matmuls_for(jax.devices("cpu")[0]) == 8
+
+
+@needs_libtpu
 def test_mixing_moves_the_streams_in_the_compute_dtype_on_tpu():
     """One mixer's forward and backward, compiled ahead of time for a TPU v6e chip at mhc_3b's size
     (2048 tokens, 4 x 3072 streams, bfloat16): no buffer of float32 the streams' size in device
