@@ -195,6 +195,24 @@ def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overr
     assert len(long) == 70 and all(0 <= t < cfg.model.vocab_size for t in long)
 
 
+def test_sampling_draws_only_the_tokenizers_tokens_from_a_larger_vocabulary(small_overrides):
+    """A model whose vocabulary is padded past its tokenizer's (llama_1b: 32,000 logits over 256
+    bytes) samples only tokens the tokenizer can decode."""
+    from podtrain.data.tokenizer import ByteTokenizer
+    from podtrain.runtime.mesh import build_mesh
+    from podtrain.train.state import model_fns
+    from podtrain.train.tasks.sampling import sample
+
+    cfg = load_config(None, [*small_overrides, "model.vocab_size=4096"])
+    fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+    params = fns.init(jax.random.key(0))
+    drawn = cached_tokens(fns, params, [5, 6, 7], 40, 1.0, 32, seed=0)
+    assert max(drawn) >= 256  # the unrestricted draw leaves the bytes
+    for generate in (cached_tokens, window_tokens):
+        assert max(generate(fns, params, [5, 6, 7], 40, 1.0, 32, seed=0, vocab=256)) < 256
+    assert len(sample(fns, params, ByteTokenizer(), "The ", 40, 0.8, 32)) > 0
+
+
 def test_init_from_a_hf_checkpoint_and_a_run_trains_from_those_weights(tmp_path):
     hf_llama(tmp_path / "hf", **VARIANTS["tied"])
     assert (

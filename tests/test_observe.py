@@ -6,11 +6,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from podtrain.cli import main
 from podtrain.config.load import load_config
 from podtrain.data.loader import BatchReader
+from podtrain.train import profile
 from podtrain.train.loop import train
 from podtrain.train.metrics import MetricsLog, read_metrics
 from podtrain.train.profile import newest_trace, ops_by_time
@@ -128,3 +130,18 @@ def test_profile_command_lists_the_ops_of_its_trace(tmp_path, small_overrides, c
     rows = out.split("share   runs  op\n")[1].splitlines()[:5]
     assert len(rows) == 5 and any("dot" in row or "fusion" in row for row in rows), out
     assert list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+
+
+def test_a_gpus_kernels_count_in_full_where_they_overlap(tmp_path, monkeypatch):
+    """A GPU trace has no "XLA Ops" line: its kernels, one line per stream, are the ops. A kernel
+    launched before the last one ends (programmatic dependent launch) overlaps it, and still counts
+    in full, not as nested in it."""
+    kernel = lambda name, start, ns: SimpleNamespace(  # noqa: E731
+        name=name, start_ns=start, duration_ns=ns, stats=[("hlo_op", "command_buffer_1")]
+    )
+    stream = SimpleNamespace(name="Stream #14(Compute)", events=[kernel("gemm", 0, 100), kernel("fusion", 90, 50)])
+    host = SimpleNamespace(name="python3", events=[SimpleNamespace(name="step", start_ns=0, duration_ns=200, stats=[])])
+    planes = [SimpleNamespace(name="/device:GPU:0", lines=[stream]), SimpleNamespace(name="/host:CPU", lines=[host])]
+    monkeypatch.setattr(profile, "ProfileData", SimpleNamespace(from_file=lambda path: SimpleNamespace(planes=planes)))
+    (tmp_path / "host.xplane.pb").touch()
+    assert ops_by_time(tmp_path) == [("gemm", 100e-9, 1), ("fusion", 50e-9, 1)]

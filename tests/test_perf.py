@@ -3,6 +3,7 @@
 unrolled layers equal the scan, on one device and on a mesh. And the throughput bench runs."""
 
 import functools
+from functools import partial
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention
-from podtrain.models.layers import swiglu
+from podtrain.models.layers import output_head, swiglu
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.tasks import language as lm
@@ -99,6 +100,28 @@ def test_swiglu_gradient_equals_autodiff():
     ours, reference = (jax.vjp(f, gate_up) for f in (swiglu, plain))
     np.testing.assert_allclose(ours[0], reference[0], rtol=1e-6)
     np.testing.assert_allclose(ours[1](cotangent)[0], reference[1](cotangent)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_heads_gradient_matmuls_run_in_the_compute_dtype():
+    """The logits come out in float32; their gradient enters the head's backward matmuls in bfloat16
+    (as torch autocast's does), and in float32 compute the gradients are autodiff's."""
+    x, head = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(2, 8, 16), (16, 64)]))
+    d_logits = jax.random.normal(jax.random.key(2), (2, 8, 64))
+    plain = lambda x, head, dtype: jnp.matmul(  # noqa: E731
+        x.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32
+    )
+    for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        (logits, grads), (reference, reference_grads) = (
+            (lambda out, vjp: (out, vjp(d_logits)))(*jax.vjp(partial(f, dtype=dtype), x, head))
+            for f in (output_head, plain)
+        )
+        assert logits.dtype == jnp.float32
+        np.testing.assert_array_equal(logits, reference)
+        for ours, theirs in zip(grads, reference_grads):
+            assert np.linalg.norm(ours - theirs) <= tolerance * np.linalg.norm(theirs)
+    backward = jax.jit(jax.grad(lambda x, head: output_head(x, head, jnp.bfloat16).sum(), argnums=(0, 1)))
+    dots = re.findall(r"dot_general.*", backward.lower(x, head).as_text())
+    assert len(dots) == 2 and all("f32" not in d for d in dots), dots  # operands and results bfloat16
 
 
 def test_unrolled_layers_equal_the_scan(small_overrides):

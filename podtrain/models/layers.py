@@ -33,7 +33,28 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
     """Logits of x (..., embed) through an (embed, vocab) head laid out as HEAD: inputs in the
     compute dtype, accumulated and returned in float32 (MaxText's logits_dot_in_fp32)."""
-    return constrain(jnp.matmul(x.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32), LOGITS)
+    return constrain(_logits_matmul(x.astype(dtype), head.astype(dtype)), LOGITS)
+
+
+@jax.custom_vjp
+def _logits_matmul(x: jax.Array, head: jax.Array) -> jax.Array:
+    """x @ head in float32. Its backward takes the logits' gradient in the inputs' dtype, as every
+    other matmul's backward does: autodiff would keep it in float32 and run both gradient matmuls
+    in float32 (as TF32 on a GPU: the 1B recipe's step on an H200 takes 248 ms so, 245 ms without)."""
+    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
+
+
+def _logits_matmul_fwd(x: jax.Array, head: jax.Array):
+    return _logits_matmul(x, head), (x, head)
+
+
+def _logits_matmul_bwd(saved, d_logits: jax.Array):
+    x, head = saved
+    d_logits = d_logits.astype(x.dtype)
+    return d_logits @ head.T, jnp.einsum("...e,...v->ev", x, d_logits)
+
+
+_logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:

@@ -54,20 +54,25 @@ def newest_trace(folder: Path) -> Path:
 
 def ops_by_time(trace: Path) -> list[tuple[str, float, int]]:
     """(op, seconds, times run) of the XLA ops in a trace, summed over its devices, longest first.
-    A GPU or TPU lists its ops on the device's "XLA Ops" line; the CPU runtime marks each op it
-    runs on a host thread with an `hlo_op` stat. An op's time is its own: a loop's excludes the
-    ops of its body, listed themselves."""
+    A TPU lists its ops on the device's "XLA Ops" line; a GPU without that line its kernels, one
+    line per stream; the CPU runtime marks each op it runs on a host thread with an `hlo_op` stat.
+    An op's time is its own: a loop's excludes the ops of its body, listed themselves. Kernels do
+    not nest, and each counts in full: one launched before the last ends (programmatic dependent
+    launch) overlaps it, it is not inside it."""
     time, runs = {True: Counter(), False: Counter()}, {True: Counter(), False: Counter()}  # by on_device
     for path in sorted(trace.glob("*.xplane.pb")):
         for plane in ProfileData.from_file(str(path)).planes:
+            device = plane.name.startswith("/device:")
+            has_ops_line = any(line.name == "XLA Ops" for line in plane.lines)
             for line in plane.lines:
-                on_device = line.name == "XLA Ops" and plane.name.startswith("/device:")
+                kernels = device and not has_ops_line and line.name.startswith("Stream")
+                on_device = (device and line.name == "XLA Ops") or kernels
                 ops = [
                     (e.name, e.start_ns, e.duration_ns)
                     for e in line.events
                     if on_device or any(stat == "hlo_op" for stat, _ in e.stats)
                 ]
-                for name, ns in _self_times(ops):
+                for name, ns in ((name, ns) for name, _, ns in ops) if kernels else _self_times(ops):
                     time[on_device][name] += ns
                     runs[on_device][name] += 1
     on_device = bool(time[True])

@@ -12,7 +12,9 @@ from podtrain.sharding import sharded_jit
 PREFILL_MIN = 64  # the shortest prefill: prompts are padded to a power of two, so that few lengths compile
 
 
-def _pick(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
+def _pick(logits: jax.Array, temperature: float, key: jax.Array, vocab: int | None) -> jax.Array:
+    """The next token among the tokenizer's `vocab` (a model's vocabulary may be padded past it)."""
+    logits = logits[:vocab]
     return jnp.argmax(logits) if temperature == 0 else jax.random.categorical(key, logits / temperature)
 
 
@@ -37,15 +39,18 @@ def sample(
     """Continue `prompt` for `max_new_tokens` (temperature 0: greedy), decoded with `tokenizer`."""
     tokens = _prompt_tokens(tokenizer, prompt)
     generate = cached_tokens if cache else window_tokens
-    return tokenizer.decode(generate(fns, params, tokens, max_new_tokens, temperature, window, seed))
+    new = generate(fns, params, tokens, max_new_tokens, temperature, window, seed, tokenizer.vocab_size)
+    return tokenizer.decode(new)
 
 
-def window_tokens(fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
+def window_tokens(
+    fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int, vocab: int | None = None
+) -> list[int]:
     """n tokens after `tokens`, each from a full forward pass over the last `window` tokens, padded
     on the right so that one compiled pass serves every position (causal attention ignores the padding)."""
 
     def next_token(params, buf, pos, key):
-        return _pick(fns.apply(params, buf[None])[0, pos - 1], temperature, key)
+        return _pick(fns.apply(params, buf[None])[0, pos - 1], temperature, key, vocab)
 
     next_token = sharded_jit(next_token, fns.mesh)
     tokens, key = list(tokens), jax.random.key(seed)
@@ -58,7 +63,9 @@ def window_tokens(fns, params, tokens: list[int], n: int, temperature: float, wi
     return tokens[-n:] if n else []
 
 
-def cached_tokens(fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int) -> list[int]:
+def cached_tokens(
+    fns, params, tokens: list[int], n: int, temperature: float, window: int, seed: int, vocab: int | None = None
+) -> list[int]:
     """n tokens after `tokens` with a key/value cache of `window` positions: one pass over the
     prompt (prefill, padded to a power of two), then one position per token, each program
     compiled once per shape. When the cache is full, the last half window is prefilled again."""
@@ -66,11 +73,11 @@ def cached_tokens(fns, params, tokens: list[int], n: int, temperature: float, wi
     def prefill(params, buf, length, key):
         model = fns.module(params)
         logits, kv = model.decode(buf[None], model.init_cache(1, window), jnp.int32(0))
-        return _pick(logits[0, length - 1], temperature, key), kv
+        return _pick(logits[0, length - 1], temperature, key, vocab), kv
 
     def step(params, token, kv, pos, key):
         logits, kv = fns.module(params).decode(token.reshape(1, 1), kv, pos)
-        return _pick(logits[0, 0], temperature, key), kv
+        return _pick(logits[0, 0], temperature, key, vocab), kv
 
     prefill, step = sharded_jit(prefill, fns.mesh), sharded_jit(step, fns.mesh, donate_argnums=2)
     tokens, key, pos = list(tokens), jax.random.key(seed), window
