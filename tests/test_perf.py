@@ -3,11 +3,11 @@
 unrolled layers equal the scan, on one device and on a mesh. And the throughput bench runs."""
 
 import functools
-from functools import partial
 import os
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
