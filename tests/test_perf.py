@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -112,7 +111,7 @@ def test_the_heads_gradient_matmuls_run_in_the_compute_dtype():
     )
     for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
         (logits, grads), (reference, reference_grads) = (
-            (lambda out, vjp: (out, vjp(d_logits)))(*jax.vjp(partial(f, dtype=dtype), x, head))
+            (lambda out, vjp: (out, vjp(d_logits)))(*jax.vjp(functools.partial(f, dtype=dtype), x, head))
             for f in (output_head, plain)
         )
         assert logits.dtype == jnp.float32
