@@ -24,16 +24,15 @@ The token embedding is copied into the n streams; the streams are summed before 
 The model carries them as a tuple of n arrays (batch, seq, C): each sub-layer writes its new
 streams where they stay, never concatenated into one (batch, seq, n·C) array (a copy the TPU
 compiler made of every mixer's output), and the coefficients' matmul over the flattened streams
-is the sum of n matmuls, one per stream, whose gradient to the streams is written elementwise.
+is the sum of n matmuls, one per stream (its stream gradient elementwise on a TPU, matmuls elsewhere).
 Choices the paper leaves open follow MaxText's port: φ starts normal with std 1/sqrt(nC), α at
-`model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform).
-The mixing coefficients and the mixing are computed in float32, as in the paper; the streams are
-stored in the compute dtype between sub-layers. Under remat full a sub-layer keeps (`KEPT`) what
-its backward would otherwise recompute with a pass over all n streams, or with the branch's output
-projection: the branch's input and output, the coefficients' projection and 1/rms.
-RMSNorm(flat x)·φ is computed as (Σ_j x_j · diag(scale_j)φ_j) / rms(x), the division after the
-projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no
-longer rounded before the product, and φ·scale is rounded to bfloat16 for it.
+`model.alpha_init` (0.01), the static parts at zero (H_pre = 1/2, H_post = 1, H_res uniform). The mixing is
+computed in float32, as in the paper; the streams are stored in the compute dtype between sub-layers. Under
+remat full a sub-layer keeps (`KEPT`) what its backward would otherwise recompute with a pass over all n
+streams, or with the branch's output projection: the branch's input and output, the coefficients' projection
+and 1/rms. RMSNorm(flat x)·φ is computed as (Σ_j x_j · diag(scale_j)φ_j) / rms(x), the division after the
+projection as in the paper's kernels: equal in float32; in bfloat16 the normalised streams are no longer
+rounded before the product, and φ·scale is rounded to bfloat16 for it.
 """
 
 from __future__ import annotations
