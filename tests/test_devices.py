@@ -41,6 +41,12 @@ def test_auto_takes_tpu_then_gpu_then_cpu(monkeypatch, capsys):
     assert devices.select_devices("auto") == ["tpu0"]
     fake_backends(monkeypatch, {"cpu": ["cpu0"]})
     assert devices.select_devices("auto") == ["cpu0"]
+    no_libtpu = (  # what JAX 0.11 with CUDA says on a GPU machine
+        "Backend 'tpu' failed to initialize: INTERNAL: Failed to open libtpu.so: libtpu.so: cannot open "
+        "shared object file: No such file or directory. Available backends are ['cpu', 'cuda']"
+    )
+    fake_backends(monkeypatch, {"tpu": RuntimeError(no_libtpu), "gpu": ["gpu0"], "cpu": ["cpu0"]})
+    assert devices.select_devices("auto") == ["gpu0"]
     assert capsys.readouterr().out == ""  # absent backends are not news
 
 

@@ -44,7 +44,9 @@ def select_devices(device_type: str = "auto") -> list[jax.Device]:
             failures[candidate] = _first_line(e)
             continue
         for name, why in failures.items():
-            if "failed to initialize" in why:  # present but broken: say so rather than quietly run slower
+            # Present but broken: say so rather than quietly run slower. A runtime library that is not
+            # installed (JAX's TPU backend on a GPU machine) is an absent backend, not a broken one.
+            if "failed to initialize" in why and "cannot open shared object file" not in why:
                 print(f"[podtrain] the {name} backend did not start ({why}); using {candidate}")
         return devices
     why = failures[platform] if platform in failures else "; ".join(f"{k}: {v}" for k, v in failures.items())
