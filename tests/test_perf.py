@@ -109,11 +109,13 @@ def test_the_heads_gradient_matmuls_run_in_the_compute_dtype():
     plain = lambda x, head, dtype: jnp.matmul(  # noqa: E731
         x.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32
     )
+
+    def logits_and_grads(f, dtype):
+        logits, vjp = jax.vjp(functools.partial(f, dtype=dtype), x, head)
+        return logits, vjp(d_logits)
+
     for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
-        (logits, grads), (reference, reference_grads) = (
-            (lambda out, vjp: (out, vjp(d_logits)))(*jax.vjp(functools.partial(f, dtype=dtype), x, head))
-            for f in (output_head, plain)
-        )
+        (logits, grads), (reference, reference_grads) = (logits_and_grads(f, dtype) for f in (output_head, plain))
         assert logits.dtype == jnp.float32
         np.testing.assert_array_equal(logits, reference)
         for ours, theirs in zip(grads, reference_grads):

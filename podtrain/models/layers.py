@@ -40,7 +40,7 @@ def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
 def _logits_matmul(x: jax.Array, head: jax.Array) -> jax.Array:
     """x @ head in float32. Its backward takes the logits' gradient in the inputs' dtype, as every
     other matmul's backward does: autodiff would keep it in float32 and run both gradient matmuls
-    in float32 (as TF32 on a GPU: the 1B recipe's step on an H200 takes 248 ms so, 245 ms without)."""
+    in float32 (TF32 on a GPU: 14 ms of the 1B recipe's 248 ms step on an H200)."""
     return jnp.matmul(x, head, preferred_element_type=jnp.float32)
 
 
