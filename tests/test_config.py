@@ -12,6 +12,8 @@ from podtrain.config.schema import MeshConfig
 from podtrain.errors import ConfigError, MeshError
 from podtrain.runtime.mesh import resolve_shape
 
+from helpers import FAMILIES
+
 CONFIGS = Path(__file__).parent.parent / "configs"
 
 
@@ -53,8 +55,7 @@ def test_each_family_has_only_its_keys():
     from podtrain.config.schema import all_keys
 
     keys = {
-        name: {k for k in all_keys(default_config(name)) if k.startswith(("model.", "train."))}
-        for name in ("llama", "mhc", "hrm", "trm")
+        name: {k for k in all_keys(default_config(name)) if k.startswith(("model.", "train."))} for name in FAMILIES
     }
     assert {
         "model.n_layers",

@@ -37,6 +37,11 @@ def test_every_key_of_every_family_is_documented_with_its_range():
     assert rows["train.lr"] == {"> 0"} and rows["model.name"] == {", ".join(f"`{name}`" for name in MODELS)}
 
 
+def test_the_models_page_describes_every_family():
+    described = re.findall(r"\*\*`(\w+)`\*\*", (ROOT / "docs" / "models.md").read_text())
+    assert set(described) == set(MODELS), "docs/models.md: a **`name`** paragraph per registered family"
+
+
 def anchors(path: Path) -> set[str]:
     """GitHub's anchors of a markdown file's headings (lines in code blocks are not headings)."""
     found, code = set(), False

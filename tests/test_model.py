@@ -7,11 +7,14 @@ import pytest
 from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
-from podtrain.models import build_model
+from podtrain.models import MODELS, build_model
 from podtrain.models.attention import Attention
+from podtrain.models.interface import LanguageModel, LanguageModelConfig
 from podtrain.models.layers import apply_rope, rope_tables
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
+
+from helpers import LANGUAGE_FAMILIES
 
 
 def small_model(overrides, extra=()):
@@ -93,3 +96,20 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small_overrides):
     assert logits.dtype == jnp.float32
     # accumulated in float32, not rounded to bfloat16 and cast afterwards
     assert (logits != logits.astype(jnp.bfloat16).astype(jnp.float32)).mean() > 0.9
+
+
+@pytest.mark.parametrize("name", LANGUAGE_FAMILIES)
+def test_every_language_family_implements_the_interface(small_overrides, name):
+    """What the language task and sampling call (models/interface.py), checked on a built model:
+    the methods exist, `logits(*features(...))` is the forward pass, and decoding a prompt in two
+    calls through the cache gives the same logits."""
+    assert issubclass(MODELS[name].config, LanguageModelConfig)
+    model = small_model(small_overrides, [f"model.name={name}"])
+    assert isinstance(model, LanguageModel)
+    tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+    logits = model(tokens)
+    assert logits.shape == (2, 12, 256) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(model.logits(*model.features(tokens)), logits, atol=1e-6)
+    first, cache = model.decode(tokens[:, :8], model.init_cache(2, 16), jnp.int32(0))
+    rest, _ = model.decode(tokens[:, 8:], cache, jnp.int32(8))
+    np.testing.assert_allclose(jnp.concatenate([first, rest], axis=1), logits, atol=1e-4)

@@ -14,6 +14,8 @@ from podtrain.train import optim
 from podtrain.train.job import build
 from podtrain.train.state import decay_mask, init_state, train_setup
 
+from helpers import LANGUAGE_FAMILIES
+
 VECTORS = {"scale", "alpha", "bias"}  # norms' scales and mHC's gates and biases: never decayed
 
 
@@ -70,7 +72,7 @@ def test_grad_clip_zero_turns_clipping_off(clip, norm):
     np.testing.assert_allclose(optax.tree.norm(clipped), norm, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["llama", "mhc"])
+@pytest.mark.parametrize("name", LANGUAGE_FAMILIES)
 def test_weight_decay_reaches_matrices_only(small_overrides, name):
     """The mask decays the matrices (embedding, projections, mHC's phi) and spares the vectors, also
     when stacked on `layers`, which is no matrix axis. One step of the train setup's optimizer with

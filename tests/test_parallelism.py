@@ -20,7 +20,7 @@ from podtrain.sharding import sharded_jit
 from podtrain.train.job import compile_step
 from podtrain.train.state import model_fns
 
-from helpers import needs_libtpu
+from helpers import LANGUAGE_FAMILIES, needs_libtpu
 
 SEQ, BATCH, D_MODEL, LAYERS = 40, 16, 128, 2
 # Eight query heads on two k/v heads: on tensor=8 the k/v heads are repeated.
@@ -83,7 +83,7 @@ def test_data_parallel_only_reduces_gradients(compiled):
     assert totals["all-reduce"] == pytest.approx(sizes("llama")[0], rel=0.1)
 
 
-@pytest.mark.parametrize("model", ["llama", "mhc"])
+@pytest.mark.parametrize("model", LANGUAGE_FAMILIES)
 def test_fsdp_gathers_each_layer_and_reduces_its_gradient(compiled, model):
     param_bytes, layer_bytes = sizes(model)
     found = collectives(compiled((1, 8, 1), model).as_text())

@@ -23,6 +23,8 @@ from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.tasks import language as lm
 
+from helpers import LANGUAGE_FAMILIES
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -125,7 +127,7 @@ def test_the_heads_gradient_matmuls_run_in_the_compute_dtype():
     assert len(dots) == 2 and all("f32" not in d for d in dots), dots  # operands and results bfloat16
 
 
-@pytest.mark.parametrize("model", ["llama", "mhc"])
+@pytest.mark.parametrize("model", LANGUAGE_FAMILIES)
 def test_unrolled_layers_equal_the_scan(model, small_overrides):
     """model.scan_unroll=n_layers unrolls the scan in full (~1.05x faster on the cpu preset, 1.23x
     for mhc_tiny.yaml): the loss and gradients of the scan."""

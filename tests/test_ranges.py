@@ -8,7 +8,7 @@ from podtrain.config.load import default_config, load_config
 from podtrain.config.schema import Range, leaves, ranges
 from podtrain.train.hooks import divergence_hint
 
-FAMILIES = ("llama", "mhc", "hrm", "trm")
+from helpers import FAMILIES
 
 
 @pytest.mark.parametrize(

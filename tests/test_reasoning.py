@@ -79,7 +79,7 @@ def run_act(model, carry, rows, key):
 
 def act_config(name, **changes):
     return dataclasses.replace(
-        load_config(None, [f"model.name={name}"]).model, **{"halt_exploration_prob": 0.0, **changes}
+        load_config(None, [f"model.name={name}", "data.path=unread"]).model, **{"halt_exploration_prob": 0.0, **changes}
     )
 
 
@@ -365,7 +365,7 @@ def test_split_reads_the_rows(puzzles):
     "overrides,message",
     [
         (["model.name=trm"], "data.source=sudoku"),
-        (["model.name=llama", "data.source=sudoku", "data.path=x"], "not text"),
+        (["model.name=llama", "data.source=sudoku", "data.path=x"], "model.name=llama reads data.source=pydoc"),
         (["model.name=trm", "data.source=sudoku", "data.path=/nonexistent"], "podtrain data sudoku --out"),
         (["model.name=trm", "data.source=sudoku", "data.path=x", "model.max_seq_len=64"], "model.max_seq_len=81"),
         (["model.name=trm", "train.seq_len=81"], "Unknown config key `train.seq_len` for model.name=trm"),

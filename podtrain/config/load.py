@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from podtrain.config.schema import Config, all_keys, leaves, ranges
+from podtrain.config.schema import Config, DataConfig, all_keys, leaves, ranges
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
@@ -43,18 +43,25 @@ _Yaml.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
+DATA_FOLDERS = {  # what data.path must name for each source that reads one
+    "text": "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)",
+    "tokens": "DIR, a folder made by `podtrain data prepare --out DIR`",
+    "sudoku": "DIR, a folder built by `podtrain data sudoku --out DIR`",
+}
 MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
 
 
 def default_config(model: str = "llama") -> Config:
-    """The defaults of model family `model`: its model keys and its task's train keys. With
-    `llama`, the embedded tiny job."""
+    """The defaults of model family `model`: its model keys, its task's train keys and the first
+    data source its task reads. With `llama`, the embedded tiny job."""
     if model not in MODELS:
         match = difflib.get_close_matches(str(model), MODELS, n=1)
         hint = f" Did you mean {match[0]}?" if match else ""
         raise ConfigError(f"model.name={model!r} is not a known model; choose one of: {', '.join(MODELS)}.{hint}")
     family = MODELS[model]
-    return Config(model=family.config(), train=family.train_config())
+    return Config(
+        model=family.config(), train=family.train_config(), data=DataConfig(source=family.task.data_sources[0])
+    )
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -288,13 +295,15 @@ def validate(cfg: Config) -> None:
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
             "each microbatch must have the same size."
         )
-    if data.source in ("text", "tokens") and not data.path:
-        folder = (
-            "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)"
-            if data.source == "text"
-            else "DIR, a folder made by `podtrain data prepare --out DIR`"
+    sources = MODELS[cfg.model.name].task.data_sources
+    if data.source not in sources:
+        readers = [name for name, f in MODELS.items() if data.source in f.task.data_sources]
+        raise ConfigError(
+            f"data.source={data.source} is data for model.name={' or '.join(readers)}; model.name={cfg.model.name} "
+            f"reads data.source={' or '.join(sources)}."
         )
-        raise ConfigError(f"data.source={data.source} needs data.path={folder}.")
+    if data.source in DATA_FOLDERS and not data.path:
+        raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
     if data.source == "pydoc" and data.path:
         raise ConfigError(
             f"data.path={data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens "
@@ -321,8 +330,6 @@ def validate(cfg: Config) -> None:
             "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
             "or leave wandb out of log.to."
         )
-    if data.source == "sudoku" and not data.path:
-        raise ConfigError("data.source=sudoku needs data.path=DIR, a folder built by `podtrain data sudoku --out DIR`.")
 
 
 def _installed(module: str) -> bool:

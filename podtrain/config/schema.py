@@ -76,14 +76,13 @@ class ModelConfig:
     """The keys every model family has. Each family's config, beside its model and registered in
     podtrain.models, adds its own; `model.name` picks which one a config is checked against."""
 
-    name: str = key("llama", "the model family: llama, mhc, hrm or trm")
+    name: str = key("llama", "the model family, one of those registered in podtrain.models")
     vocab_size: int = key(256, "tokens in the vocabulary (auto: the data's tokenizer's, rounded up to 128)", ">= 1")
     d_model: int = key(128, "width of the residual stream", ">= 1")
     n_heads: int = key(4, "attention heads (query heads with grouped-query attention)", ">= 1")
-    d_ff: int = key(384, "hidden width of the SwiGLU MLP", ">= 1")
+    d_ff: int = key(384, "hidden width of the MLP", ">= 1")
     max_seq_len: int = key(256, "positions the model can attend over", ">= 1")
-    rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths", "> 0")
-    norm_eps: float = key(1e-5, "epsilon of RMSNorm", "> 0")
+    norm_eps: float = key(1e-5, "epsilon of the normalisation layers", "> 0")
     remat: Literal["none", "full", "dots"] = key(
         "none",
         "what the backward recomputes: nothing, each layer in full (bar what the model marks as kept: mHC's "

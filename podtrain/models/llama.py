@@ -14,6 +14,7 @@ from podtrain.config.schema import ModelConfig, key, same_key
 from podtrain.errors import ConfigError
 from podtrain.models.attention import Attention
 from podtrain.models.family import Family
+from podtrain.models.interface import LanguageModelConfig
 from podtrain.models.layers import (
     ACT,
     HEAD,
@@ -33,8 +34,9 @@ from podtrain.train.tasks.language import LanguageTask
 
 
 @dataclass
-class LlamaConfig(ModelConfig):
+class LlamaConfig(LanguageModelConfig):
     name: str = same_key(ModelConfig, "name", "llama")
+    rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths", "> 0")
     n_layers: int = key(4, "decoder layers, stacked and scanned", ">= 1")
     n_kv_heads: int = key(2, "key/value heads: n_heads / n_kv_heads query heads share one (grouped-query)", ">= 1")
     tie_embeddings: bool = key(True, "the output head is the embedding table, transposed")
@@ -46,9 +48,6 @@ class LlamaConfig(ModelConfig):
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
     rope_original_max_len: int = key(8192, "llama3 scaling: the context length before the stretch", ">= 1")
-    loss_chunk: int = key(
-        0, "positions per chunk of the loss, so one chunk's float32 logits exist at a time; 0: all at once", ">= 0"
-    )
 
     def validate(self) -> None:
         super().validate()
@@ -103,8 +102,9 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32. With segment_ids (batch, seq),
-    a token attends only to earlier tokens of its own segment (packed documents stay apart).
+    """A LanguageModel (models/interface.py): tokens (batch, seq) int32 -> logits (batch, seq,
+    vocab) float32. With segment_ids (batch, seq), a token attends only to earlier tokens of its
+    own segment (packed documents stay apart).
 
     Subclasses change the residual stream through `block`, `widen` and `narrow`.
     """

@@ -66,6 +66,7 @@ class RecursiveConfig(ModelConfig):
 
     vocab_size: int = same_key(ModelConfig, "vocab_size", 11)
     max_seq_len: int = same_key(ModelConfig, "max_seq_len", 81)
+    rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths (attention blocks)", "> 0")
     H_cycles: int = key(3, "high-level cycles per supervision segment", ">= 1")
     L_cycles: int = key(6, "low-level cycles per high-level cycle", ">= 1")
     L_layers: int = key(2, "blocks of the low-level module (TRM: of its one network)", ">= 1")

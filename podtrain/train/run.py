@@ -18,7 +18,7 @@ from podtrain.config.saved import run_config, save_config
 from podtrain.config.schema import Config, MeshConfig
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import ConfigError, DataError
-from podtrain.models import family
+from podtrain.models import MODELS, family
 from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.state import ModelFns, model_fns
@@ -108,9 +108,10 @@ class Run:
     def language_model(self) -> tuple[Config, ModelFns, object]:
         """(config, model functions, weights) of the latest checkpoint, for generate and export."""
         if family(self.cfg.model).task is not LanguageTask:
+            language = [name for name, f in MODELS.items() if f.task is LanguageTask]
             raise ConfigError(
                 f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
-                "take a language model (llama, mhc)."
+                f"take a language model ({', '.join(language)})."
             )
         cfg, fns, _, params = self.model()
         return cfg, fns, params

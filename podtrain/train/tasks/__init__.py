@@ -37,6 +37,7 @@ class Task:
     eval_fn: Callable
 
     train_config: type[TrainConfig] = TrainConfig  # the task's keys under `train.`
+    data_sources: tuple[str, ...] = ()  # the values of data.source it reads
     train_batch: Any  # jax.ShapeDtypeStruct
     summary: str
     batches: BatchReader

@@ -88,16 +88,12 @@ def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict
 
 class LanguageTask(Task):
     train_config = TextTrainConfig
+    data_sources = ("pydoc", "text", "tokens")
     loss_fn = staticmethod(next_token_loss)
     eval_fn = staticmethod(validation_loss)
 
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t = cfg.train
-        if cfg.data.source == "sudoku":
-            raise ConfigError(
-                "data.source=sudoku holds puzzles for model.name=hrm or trm, not text for "
-                f"model.name={cfg.model.name}; use data.source=pydoc, text or tokens."
-            )
         self.cfg, self.positions = cfg, t.seq_len
         self.train_batch = jax.ShapeDtypeStruct(
             (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),

@@ -147,16 +147,12 @@ def evaluate_puzzles(model, rows: jax.Array) -> dict:
 class PuzzleTask(Task):
     """Sudoku puzzles for a recursive reasoner, with the ACT carry of every batch slot."""
 
+    data_sources = ("sudoku",)
     loss_fn = staticmethod(act_loss)
     eval_fn = staticmethod(evaluate_puzzles)
 
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t, m = cfg.train, cfg.model
-        if cfg.data.source != "sudoku":
-            raise ConfigError(
-                f"model.name={m.name} solves puzzles: set data.source=sudoku and data.path=DIR, a folder built "
-                "by `podtrain data sudoku --out DIR`."
-            )
         if m.max_seq_len != CELLS or m.vocab_size < sudoku.VOCAB:
             raise ConfigError(
                 f"Sudoku puzzles are {CELLS} tokens of a vocabulary of {sudoku.VOCAB}; set model.max_seq_len={CELLS} "

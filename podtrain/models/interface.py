@@ -1,0 +1,54 @@
+"""What a language-model family provides: the keys every language model has, and the methods the
+language task (`podtrain.train.tasks.language`) and sampling (`podtrain.train.tasks.sampling`)
+call on its module. A family whose `Family.task` is the language task subclasses the config and
+implements the protocol; tests/test_model.py checks every registered one.
+
+Shapes: B batch, T positions, D the model's width, V the vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from podtrain.config.schema import ModelConfig, key
+
+
+@dataclass
+class LanguageModelConfig(ModelConfig):
+    """The keys of every language model, beside ModelConfig's."""
+
+    loss_chunk: int = key(
+        0, "positions per chunk of the loss, so one chunk's float32 logits exist at a time; 0: all at once", ">= 0"
+    )
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A decoder over tokens. `features` and `logits` split the forward pass where the loss can be
+    chunked: `logits(*features(tokens))` is the model's output, and `logits(head, x)` of a slice of
+    the positions of x is the same slice of it. `decode` runs the model incrementally on a cache
+    made by `init_cache`; prefill and one-token steps are both calls of it."""
+
+    cfg: LanguageModelConfig
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens (B, T) int32 -> logits (B, T, V) float32; `logits(*features(...))`."""
+
+    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> tuple[Any, jax.Array]:
+        """(head, x): whatever `logits` needs beside the positions' states (a tied head's embedding
+        table; passed back unchanged), and the last layer's output x (B, T, D). With segment_ids
+        (B, T) int32, a token attends only to tokens of its own segment (packed documents)."""
+
+    def logits(self, head: Any, x: jax.Array) -> jax.Array:
+        """(B, t, D) states of any t positions -> (B, t, V) float32 logits."""
+
+    def decode(self, tokens: jax.Array, cache: Any, start: jax.Array) -> tuple[jax.Array, Any]:
+        """tokens (B, n) at positions start..start+n-1 -> (logits (B, n, V) float32, the cache with
+        their keys and values added); they attend to the cache's earlier positions. `start` is a
+        traced int32 scalar, so one compiled program serves every position."""
+
+    def init_cache(self, batch: int, length: int) -> Any:
+        """An empty cache for `batch` sequences of up to `length` positions (a pytree of arrays)."""
