@@ -60,7 +60,8 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     import ml_dtypes
     import numpy as np
     from flax import nnx
-    from podtrain.interop.hf import TENSORS, _hf_shape, _names, _one, hf_config
+    from podtrain.interop.hf.checkpoint import _hf_shape, _names, _one
+    from podtrain.interop.hf.families import LLAMA_TENSORS, hf_config
     from podtrain.models import build_model
     from podtrain.train.digest import leaf_name
     from safetensors.numpy import save_file
@@ -70,9 +71,9 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     rng, tensors = np.random.default_rng(0), {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         name = leaf_name(path)
-        for hf_name in _names(name, cfg.n_layers):
+        for hf_name in _names(LLAMA_TENSORS, name, cfg.n_layers):
             tensors[hf_name] = (
-                0.02 * rng.standard_normal(_hf_shape(_one(name, leaf.shape), TENSORS[name][1]), np.float32)
+                0.02 * rng.standard_normal(_hf_shape(_one(name, leaf.shape), LLAMA_TENSORS[name][1]), np.float32)
             ).astype(ml_dtypes.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -114,7 +115,9 @@ def naive_load(folder: str) -> None:
     import numpy as np
     from podtrain import runtime
     from podtrain.config.load import load_config, resolve_auto
-    from podtrain.interop.hf import TENSORS, _names, model_keys
+    from podtrain.interop.hf.checkpoint import _names
+    from podtrain.interop.hf.families import LLAMA_TENSORS, model_keys
+    from podtrain.train.digest import leaf_name
     from podtrain.train.state import model_fns
     from safetensors.numpy import load_file
 
@@ -124,14 +127,12 @@ def naive_load(folder: str) -> None:
     fns = model_fns(resolve_auto(cfg, rt.platform), rt.mesh)
     everything = load_file(Path(folder) / "model.safetensors")
     flat = {}
-    for path, (_, in_axes) in TENSORS.items():
-        if path == "head" and cfg.model.tie_embeddings:
-            continue
-        stacked = [everything[name].astype(np.float32) for name in _names(path, cfg.model.n_layers)]
+    for path in (leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(fns.abstract_params)[0]):
+        in_axes = LLAMA_TENSORS[path][1]
+        stacked = [everything[name].astype(np.float32) for name in _names(LLAMA_TENSORS, path, cfg.model.n_layers)]
         arrays = [(t.T if in_axes else t) for t in stacked]
         flat[path] = jax.device_put(np.stack(arrays) if path.startswith("layers/") else arrays[0])
     jax.block_until_ready(list(flat.values()))
-    assert len(flat) == len(jax.tree.leaves(fns.abstract_params))
 
 
 def convert(args) -> None:
@@ -196,7 +197,7 @@ def phase(name: str, argv: list[str]) -> None:
     sampler.start()
     if name == "_baseline":
         import jax
-        import podtrain.interop.hf  # noqa: F401
+        import podtrain.interop.hf.checkpoint  # noqa: F401
 
         jax.devices()
     elif name == "_import":

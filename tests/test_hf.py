@@ -130,7 +130,7 @@ def test_trained_model_exports_to_transformers(tmp_path, small_overrides, monkey
             ],
         )
     )
-    monkeypatch.setattr("podtrain.interop.hf.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
+    monkeypatch.setattr("podtrain.interop.hf.checkpoint.SHARD_BYTES", 40_000)  # shards and an index, as above 5 GB
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert (
         len(list((tmp_path / "out").glob("model-0000?-of-0000?.safetensors"))) > 1
@@ -265,12 +265,17 @@ def test_bad_sources_are_refused_naming_the_problem(tmp_path, capsys):
     hf_llama(folder)
     config = json.loads((folder / "config.json").read_text())
 
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
-    assert "holds a `mistral` model; podtrain converts Llama-architecture" in _bad_convert(
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
+    assert "holds a `falcon` model; podtrain converts model_type llama, mistral" in _bad_convert(
         tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "a")
     )
-    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
-    assert "attention_bias=True" in _bad_convert(tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "b"))
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    assert "hidden_act='gelu'" in _bad_convert(tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "b"))
+    # a field podtrain does not know may change the computation: refused by name, never dropped
+    (folder / "config.json").write_text(json.dumps({**config, "logit_scale": 0.5}))
+    assert "config.json has logit_scale, which podtrain does not read for model_type llama" in _bad_convert(
+        tmp_path, capsys, "--from-hf", str(folder), str(tmp_path / "b")
+    )
 
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
@@ -295,7 +300,7 @@ def test_init_from_a_checkpoint_of_other_sizes_names_the_keys(tmp_path, small_ov
     )
     err = capsys.readouterr().err
     assert (
-        "is a Llama of other sizes: model.d_model (64 there, 32 here)" in err
+        "is a model of other sizes or options: model.d_model (64 there, 32 here)" in err
         and "model.tie_embeddings (False there, True here)" in err
     )
     assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))

@@ -1,5 +1,7 @@
 """The Llama model itself: causal, grouped-query, RoPE, precision policy."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +115,26 @@ def test_every_language_family_implements_the_interface(small_overrides, name):
     first, cache = model.decode(tokens[:, :8], model.init_cache(2, 16), jnp.int32(0))
     rest, _ = model.decode(tokens[:, 8:], cache, jnp.int32(8))
     np.testing.assert_allclose(jnp.concatenate([first, rest], axis=1), logits, atol=1e-4)
+
+
+def test_a_sliding_window_hides_what_lies_beyond_it(small_overrides):
+    """With windows of 4 positions in both layers, position t sees tokens back to t - 6 (3 per
+    layer) and no further; with the first layer attending to everything, it sees them all."""
+    tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, 256)
+    changed = tokens.at[:, 0].set((tokens[:, 0] + 7) % 256)
+    model = small_model(small_overrides, ["model.sliding_window=4"])
+    a, b = model(tokens), model(changed)
+    np.testing.assert_allclose(a[:, 7:], b[:, 7:], atol=1e-6)
+    assert not np.allclose(a[:, 6], b[:, 6])
+    model = small_model(small_overrides, ["model.sliding_window=4", "model.full_attention_layers=[0]"])
+    assert not np.allclose(model(tokens)[:, 15], model(changed)[:, 15])
+
+
+def test_flops_count_a_sliding_layers_window_not_the_sequence():
+    from podtrain.models.llama import flops_per_token
+
+    cfg = load_config(None, ["model.head_dim=48"]).model
+    full = flops_per_token(cfg, 10**6, 256)
+    assert full == 6 * 10**6 + 12 * cfg.n_heads * 48 * 256 * cfg.n_layers
+    windowed = dataclasses.replace(cfg, sliding_window=64, full_attention_layers=[0])
+    assert full - flops_per_token(windowed, 10**6, 256) == 12 * cfg.n_heads * 48 * (256 - 64) * (cfg.n_layers - 1)

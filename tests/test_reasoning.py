@@ -79,7 +79,7 @@ def run_act(model, carry, rows, key):
 
 def act_config(name, **changes):
     return dataclasses.replace(
-        load_config(None, [f"model.name={name}", "data.path=unread"]).model, **{"halt_exploration_prob": 0.0, **changes}
+        load_config(None, [f"model.name={name}"]).model, **{"halt_exploration_prob": 0.0, **changes}
     )
 
 

@@ -66,3 +66,21 @@ def test_ema_follows_the_weights(small_overrides):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), jax.device_get(state["ema"]), expected
     )
     assert state["ema"]["embed"].sharding == state["params"]["embed"].sharding
+
+
+def test_family_options_sharded_equal_unsharded(small_overrides):
+    """The Hugging Face families' options of the decoder (Qwen3's q/k norms, Qwen2's biases, an
+    explicit head_dim, a sliding window on all but the first layer) on a 2x2x2 mesh."""
+    options = [
+        "model.qk_norm=true",
+        "model.attention_bias=qkv",
+        "model.head_dim=12",
+        "model.sliding_window=8",
+        "model.full_attention_layers=[0]",
+    ]
+    ref_losses, ref_params = run_steps(small_overrides + options + ["mesh.data=1"], n_devices=1)
+    losses, params = run_steps(small_overrides + options + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], n_devices=8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    assert losses[-1] < losses[0]
+    assert np.abs(ref_params["layers"]["attn"]["bq"]).max() > 0  # the biases trained
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from podtrain.config.schema import Config, DataConfig, all_keys, leaves, ranges
+from podtrain.config.schema import Config, all_keys, leaves, ranges
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
@@ -52,16 +52,14 @@ MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model"
 
 
 def default_config(model: str = "llama") -> Config:
-    """The defaults of model family `model`: its model keys, its task's train keys and the first
-    data source its task reads. With `llama`, the embedded tiny job."""
+    """The defaults of model family `model`: its model keys and its task's train keys. With
+    `llama`, the embedded tiny job."""
     if model not in MODELS:
         match = difflib.get_close_matches(str(model), MODELS, n=1)
         hint = f" Did you mean {match[0]}?" if match else ""
         raise ConfigError(f"model.name={model!r} is not a known model; choose one of: {', '.join(MODELS)}.{hint}")
     family = MODELS[model]
-    return Config(
-        model=family.config(), train=family.train_config(), data=DataConfig(source=family.task.data_sources[0])
-    )
+    return Config(model=family.config(), train=family.train_config())
 
 
 def _read_yaml(path: str | Path) -> dict:
@@ -268,7 +266,9 @@ def check_structure(data: dict, where: str) -> None:
             )
         for item_key, item in value.items() if section else [(None, value)]:
             full = f"{name}.{item_key}" if item_key is not None else str(name)
-            if isinstance(item, dict) or (isinstance(item, list) and not _is_list(Config(), full)):
+            # the family is not known yet: a key that is a list in any family may hold one
+            is_list = any(_is_list(default_config(family), full) for family in MODELS)
+            if isinstance(item, dict) or (isinstance(item, list) and not is_list):
                 raise ConfigError(
                     f"Config key `{full}` in {where} must be a single value (a number, string or boolean), "
                     f"not `{item!r}`."
@@ -295,13 +295,6 @@ def validate(cfg: Config) -> None:
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
             "each microbatch must have the same size."
         )
-    sources = MODELS[cfg.model.name].task.data_sources
-    if data.source not in sources:
-        readers = [name for name, f in MODELS.items() if data.source in f.task.data_sources]
-        raise ConfigError(
-            f"data.source={data.source} is data for model.name={' or '.join(readers)}; model.name={cfg.model.name} "
-            f"reads data.source={' or '.join(sources)}."
-        )
     if data.source in DATA_FOLDERS and not data.path:
         raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
     if data.source == "pydoc" and data.path:
@@ -318,6 +311,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"data.pack=documents keeps attention inside documents with a mask, which model.attention={attention} "
             "does not take; use model.attention=xla (or auto)."
+        )
+    if getattr(cfg.model, "sliding_window", 0) and attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"model.sliding_window={cfg.model.sliding_window} masks each layer by its own window, which "
+            f"model.attention={attention} does not take yet; use model.attention=xla (or auto)."
         )
     profile = t.profile_steps
     if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
@@ -347,11 +345,11 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         m.compute_dtype = "float32" if platform == "cpu" else "bfloat16"
     if m.attention == "auto":
         # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
-        head_dim = m.d_model // m.n_heads
+        head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        m.attention = fused if cfg.data.pack != "documents" else "xla"
+        m.attention = fused if cfg.data.pack != "documents" and not getattr(m, "sliding_window", 0) else "xla"
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     return cfg

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models.layers import ACT, HEADS, KV_HEADS, apply_rope, param
+from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param, window_mask
 from podtrain.sharding import constrain, per_shard, shards
 
 # Causal attention runs in this many blocks of queries, each reading only the keys up to its last
@@ -163,7 +163,9 @@ def fused_attention_stand_in(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.A
 
 class Attention(nnx.Module):
     """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
-    n_heads query heads."""
+    n_heads query heads of head_dim each. The options of the Hugging Face families: `bias` on the
+    q, k and v projections ("qkv", Qwen2) or on all four ("all"), and `qk_norm`, an RMSNorm over
+    head_dim of each query and key head before the rotation (Qwen3)."""
 
     def __init__(
         self,
@@ -177,13 +179,26 @@ class Attention(nnx.Module):
         implementation: str,
         rngs: nnx.Rngs,
         causal: bool = True,
+        head_dim: int = 0,
+        bias: str = "none",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
     ):
-        head_dim = d_model // n_heads
+        head_dim = head_dim or d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
         self.wk = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
         self.wv = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
         self.wo = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
-        self.dtype = dtype
+        if bias != "none":
+            self.bq = param(rngs, (n_heads, head_dim), ("heads", "head_dim"), 0.0)
+            self.bk = param(rngs, (n_kv_heads, head_dim), ("kv_heads", "head_dim"), 0.0)
+            self.bv = param(rngs, (n_kv_heads, head_dim), ("kv_heads", "head_dim"), 0.0)
+        if bias == "all":
+            self.bo = param(rngs, (d_model,), ("embed",), 0.0)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, axis="head_dim")
+            self.k_norm = RMSNorm(head_dim, norm_eps, axis="head_dim")
+        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
@@ -191,30 +206,49 @@ class Attention(nnx.Module):
         """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
         cannot split evenly get a copy per query head, so that q, k and v share one sharding
         (cuDNN's attention requires it; copying replicated weights is local)."""
-        wq, wk, wv = (w[...].astype(self.dtype) for w in (self.wq, self.wk, self.wv))
-        d, n_heads, head_dim = wq.shape
-        n_kv, kv_axes = wk.shape[1], KV_HEADS
+        names = ("wq", "wk", "wv") + (("bq", "bk", "bv") if self.bias != "none" else ())
+        w = {name: getattr(self, name)[...].astype(self.dtype) for name in names}
+        d, n_heads, head_dim = w["wq"].shape
+        n_kv, kv_axes = w["wk"].shape[1], KV_HEADS
         if share_kv and n_kv % shards("act_heads", n_heads):
-            wk, wv = (jnp.repeat(w, n_heads // n_kv, axis=1) for w in (wk, wv))
+            kv = {
+                name: w[name] for name in ("wk", "wv", "bk", "bv") if name in w
+            }  # heads: axis 1 of a weight, 0 of a bias
+            w |= {name: jnp.repeat(x, n_heads // n_kv, axis=1 if name[0] == "w" else 0) for name, x in kv.items()}
             n_kv, kv_axes = n_heads, HEADS
         group = n_heads // n_kv
+
+        def per_kv_head(q, k, v, heads: int):
+            """q, k, v (head axis at `heads`) as (..., n_kv, group + 2, ...): a group's queries, its k, its v."""
+            q = q.reshape(*q.shape[:heads], n_kv, group, *q.shape[heads + 1 :])
+            return jnp.concatenate([q, jnp.expand_dims(k, heads + 1), jnp.expand_dims(v, heads + 1)], axis=heads + 1)
+
         # One projection for q, k and v, laid out per k/v head (the shards never split a group), so
         # that the gradient reaches x through one matmul: one all-reduce, not three.
-        w_qkv = jnp.concatenate([wq.reshape(d, n_kv, group, head_dim), wk[:, :, None], wv[:, :, None]], axis=2)
-        qkv = constrain(jnp.einsum("btd,dngh->btngh", x_BTD, w_qkv), (*kv_axes[:3], None, "act_head_dim"))
+        qkv = jnp.einsum("btd,dngh->btngh", x_BTD, per_kv_head(w["wq"], w["wk"], w["wv"], 1))
+        if self.bias != "none":
+            qkv = qkv + per_kv_head(w["bq"], w["bk"], w["bv"], 0)[None, None]
+        qkv = constrain(qkv, (*kv_axes[:3], None, "act_head_dim"))
         q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
         k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
     def output(self, out_BTNH: jax.Array) -> jax.Array:
-        return constrain(jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype)), ACT)
+        out = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype))
+        return constrain(out + self.bo[...].astype(self.dtype)[None, None] if self.bias == "all" else out, ACT)
 
-    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, rope, mask: jax.Array | None = None, window=None) -> jax.Array:
         """`mask` (batch, 1, seq, seq), True where a query may attend to a key, narrows the causal
-        mask (to keep packed documents apart). Megatron's layout: q, k, v column-parallel and the
-        output row-parallel over heads, so that tensor parallelism costs one all-reduce of
-        (batch, seq, d_model) forward and one backward."""
+        mask (to keep packed documents apart); so does a sliding `window` (a scalar, 0: none).
+        Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
+        tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
+        if window is not None:
+            positions = jnp.arange(x_BTD.shape[1])
+            near = window_mask(positions, positions, window)
+            mask = near if mask is None else mask & near
         if self.implementation == "splash":
             out = splash_attention(q, k, v, self.causal)
         elif self.implementation == "cudnn_estimate":
@@ -226,15 +260,19 @@ class Attention(nnx.Module):
         return self.output(constrain(out, HEADS))
 
     def decode(
-        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array
+        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array, window=None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """Attention of the tokens x at positions start.. to themselves and everything before them,
-        whose keys and values `cache` (batch, length, kv_heads, head_dim) holds; x's are written into
-        it. Positions after the last written one are masked, whatever the cache holds there."""
+        """Attention of the tokens x at positions start.. to themselves and everything before them
+        (within a sliding `window`), whose keys and values `cache` (batch, length, kv_heads,
+        head_dim) holds; x's are written into it. Positions after the last written one are masked,
+        whatever the cache holds there."""
         q, k, v = self.project(x_BTD, rope, share_kv=False)
         cache = tuple(
             jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v))
         )
-        mask = jnp.arange(cache[0].shape[1])[None, :] <= start + jnp.arange(x_BTD.shape[1])[:, None]
-        out = grouped_attention(q, *cache, mask[None, None], causal=False)
+        queries, keys = start + jnp.arange(x_BTD.shape[1]), jnp.arange(cache[0].shape[1])
+        mask = (keys[None, :] <= queries[:, None])[None, None]
+        if window is not None:
+            mask = mask & window_mask(queries, keys, window)
+        out = grouped_attention(q, *cache, mask, causal=False)
         return self.output(out), cache

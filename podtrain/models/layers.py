@@ -95,8 +95,10 @@ rms_norm_keeping_input.defvjp(_rms_norm_keeping_input_fwd, _rms_norm_keeping_inp
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",), eager_sharding=False)
+    """x / rms(x) * scale over the last axis, whose logical name is `axis`."""
+
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -126,6 +128,13 @@ def rope_tables(
 def document_mask(segment_ids: jax.Array) -> jax.Array:
     """(batch, 1, seq, seq): True where query and key are in the same segment (document)."""
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array) -> jax.Array:
+    """(1, 1, queries, keys): True where the key is one of the `window` latest positions up to the
+    query's, itself included (transformers' sliding window); a window of 0 sees every position."""
+    distance = q_positions[:, None] - k_positions[None, :]
+    return ((distance < window) | (window <= 0))[None, None]
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -232,19 +241,23 @@ REMAT_POLICIES = {
 }
 
 
-def scan_layers(layers: nnx.Module, x: jax.Array, *args, remat: str = "none", unroll: int = 1) -> jax.Array:
-    """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`.
+def scan_layers(
+    layers: nnx.Module, x: jax.Array, *args, per_layer: tuple = (), remat: str = "none", unroll: int = 1
+) -> jax.Array:
+    """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
+    layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
 
     Compile time stays independent of depth; `remat` trades recomputation for activation memory.
     """
     graphdef, state = nnx.split(layers)
 
-    def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, *args), None
+    def body(h, layer):
+        layer_state, own = layer
+        return nnx.merge(graphdef, layer_state)(h, *args, *own), None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state, unroll=unroll)[0]
+    return jax.lax.scan(body, x, (state, per_layer), unroll=unroll)[0]
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:

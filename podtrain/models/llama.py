@@ -48,9 +48,38 @@ class LlamaConfig(LanguageModelConfig):
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
     rope_original_max_len: int = key(8192, "llama3 scaling: the context length before the stretch", ">= 1")
+    head_dim: int = key(0, "width of each attention head; 0: d_model / n_heads", ">= 0")
+    attention_bias: Literal["none", "qkv", "all"] = key(
+        "none", "biases of the attention projections: none, on q/k/v (Qwen2), or on q/k/v and the output"
+    )
+    qk_norm: bool = key(False, "an RMSNorm over each query and key head before the rotation (Qwen3)")
+    sliding_window: int = key(
+        0, "positions a query attends to, itself included, in the layers that slide (Mistral); 0: all", ">= 0"
+    )
+    full_attention_layers: list[int] = key(
+        [], "layers (from 0) that attend to every earlier position whatever sliding_window (Qwen2's first ones)"
+    )
+    hf_type: Literal["llama", "mistral", "qwen2", "qwen3"] = key(
+        "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
+    )
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def layer_windows(self) -> list[int] | None:
+        """Each layer's sliding window (0: it sees every earlier position), or None if none slides."""
+        if not self.sliding_window:
+            return None
+        return [0 if i in self.full_attention_layers else self.sliding_window for i in range(self.n_layers)]
 
     def validate(self) -> None:
         super().validate()
+        if bad := [i for i in self.full_attention_layers if not 0 <= i < self.n_layers]:
+            raise ConfigError(
+                f"model.full_attention_layers names layers {bad}, outside 0..{self.n_layers - 1} (model.n_layers="
+                f"{self.n_layers}); list layers of the model."
+            )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; "
@@ -72,19 +101,23 @@ class Block(nnx.Module):
             dtype=dtype,
             implementation=cfg.attention,
             rngs=rngs,
+            head_dim=cfg.head_size,
+            bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rope, mask) -> jax.Array:
-        return self.residual(x, lambda h: self.attn(self.attn_norm(h), rope, mask))
+    def __call__(self, x: jax.Array, rope, mask, window=None) -> jax.Array:
+        return self.residual(x, lambda h: self.attn(self.attn_norm(h), rope, mask, window))
 
-    def decode(self, x: jax.Array, rope, cache, start) -> tuple[jax.Array, tuple]:
+    def decode(self, x: jax.Array, rope, cache, start, window=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
         updated = []
 
         def attend(h):
-            out, new = self.attn.decode(self.attn_norm(h), rope, cache, start)
+            out, new = self.attn.decode(self.attn_norm(h), rope, cache, start, window)
             updated.append(new)
             return out
 
@@ -133,10 +166,16 @@ class Llama(nnx.Module):
             self.widen(self.embedded(table, tokens)),
             rope,
             mask,
+            per_layer=self.per_layer(),
             remat=self.cfg.remat,
             unroll=self.cfg.scan_unroll,
         )
         return table, self.narrow(x)
+
+    def per_layer(self) -> tuple:
+        """What differs between the stacked layers, one entry per layer: the sliding windows, if any."""
+        windows = self.cfg.layer_windows()
+        return () if windows is None else (jnp.asarray(windows, jnp.int32),)
 
     def decode(
         self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array
@@ -149,16 +188,16 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer):
-            layer_state, layer_cache = layer
-            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start)
+            layer_state, layer_cache, own = layer
+            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, *own)
 
-        x, cache = jax.lax.scan(body, self.widen(self.embedded(table, tokens)), (state, cache))
+        x, cache = jax.lax.scan(body, self.widen(self.embedded(table, tokens)), (state, cache, self.per_layer()))
         return self.logits(table, self.narrow(x)), cache
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Empty keys and values for `length` positions: (layers, batch, length, kv_heads, head_dim) each."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.d_model // cfg.n_heads)
+        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_size)
         return jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype)
 
     def embedded(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -171,7 +210,7 @@ class Llama(nnx.Module):
             if cfg.rope_scaling == "llama3"
             else None
         )
-        return rope_tables(positions, cfg.d_model // cfg.n_heads, cfg.rope_theta, llama3)
+        return rope_tables(positions, cfg.head_size, cfg.rope_theta, llama3)
 
     def logits(self, table: jax.Array, x: jax.Array) -> jax.Array:
         head = table.T if self.cfg.tie_embeddings else constrain(self.head[...], HEAD)
@@ -188,10 +227,12 @@ class Llama(nnx.Module):
 
 def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4), plus
-    attention scores and values, 12 * n_layers * d_model * seq_len (PaLM appendix B; the causal
-    mask's saving is not subtracted). The embedding lookup is free unless tied to the head."""
+    attention scores and values, 12 * n_heads * head_dim * keys per layer (PaLM appendix B, where
+    keys = seq_len; the causal mask's saving is not subtracted), a sliding layer's keys at most its
+    window. The embedding lookup is free unless tied to the head."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6 * matmul_params + 12 * cfg.n_layers * cfg.d_model * seq_len
+    keys = [min(w or seq_len, seq_len) for w in cfg.layer_windows() or [0] * cfg.n_layers]
+    return 6 * matmul_params + 12 * cfg.n_heads * cfg.head_size * sum(keys)
 
 
 # The embedded tiny job's layer sizes: --use-small-model makes any Llama recipe this small.

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from podtrain.config.schema import Config, DataConfig, ModelConfig, TrainConfig, default_of
+from podtrain.config.schema import Config, ModelConfig, TrainConfig, default_of
 from podtrain.models import MODELS
 
 INTRO = """\
@@ -168,25 +168,13 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _family_defaults(section: str) -> dict[str, str]:
-    """data.source's default, which is the first source the family's task reads."""
-    if section != "data":
-        return {}
-    differ: dict[str, list[str]] = {}
-    for name, family in MODELS.items():
-        if family.task.data_sources[0] != DataConfig.source:
-            differ.setdefault(_value(family.task.data_sources[0]), []).append(name)
-    others = "; ".join(f"{', '.join(names)}: {value}" for value, names in differ.items())
-    return {"source": f"{_value(DataConfig.source)} ({others})"} if differ else {}
-
-
 def configuration_page() -> str:
     """The whole of docs/configuration.md."""
     parts = [INTRO, "\n## Top-level keys\n\n", _table(Config, "")]
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]) and f.name not in ("model", "train"):
-            parts += [f"\n## {f.name}\n\n", _table(hints[f.name], f"{f.name}.", defaults=_family_defaults(f.name))]
+            parts += [f"\n## {f.name}\n\n", _table(hints[f.name], f"{f.name}.")]
 
     parts += ["\n## train\n\n### Keys of every task\n\n", _table(TrainConfig, "train.")]
     by_task: dict[type, list[str]] = {}

@@ -1,4 +1,4 @@
-"""`podtrain convert`: a Hugging Face Llama checkpoint into a podtrain run directory, and back."""
+"""`podtrain convert`: a Hugging Face checkpoint (interop/hf/families.py) into a podtrain run directory, and back."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from podtrain.config.load import default_config, load_config
 from podtrain.config.schema import Config
 from podtrain.data.tokenizer import keep_tokenizer, load_tokenizer
 from podtrain.errors import ConfigError
-from podtrain.interop.hf import hf_config, hf_folder, model_keys, read_hf_config, read_params, write_params
+from podtrain.interop.hf.checkpoint import hf_folder, read_hf_config, read_params, write_params
+from podtrain.interop.hf.families import FAMILIES, export_family, hf_config, model_keys
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.run import Run, on_this_machine
 from podtrain.train.state import model_fns
@@ -47,7 +48,7 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     rt, resolved = on_this_machine(cfg, announce=False)
     fns = model_fns(resolved, rt.mesh)
     start = time.perf_counter()
-    params = read_params(folder, fns.abstract_params, source)
+    params = read_params(folder, fns.abstract_params, FAMILIES[keys["hf_type"]].tensors, source)
     seconds = time.perf_counter() - start
     if rt.is_main:  # `auto` precision kept: resolved on the machine that trains
         Run.of(cfg).keep(cfg, load_tokenizer(str(folder)) if has_tokenizer else None)
@@ -75,15 +76,16 @@ def export_hf(run_dir: str, out_dir: str, dtype: str | None = None) -> tuple[lis
     cfg, _, params = run.language_model()
     if cfg.model.name != "llama":
         raise ConfigError(
-            f"{run_dir} trained model.name={cfg.model.name}; only llama has a Hugging Face architecture "
-            "(LlamaForCausalLM) to export to."
+            f"{run_dir} trained model.name={cfg.model.name}; only llama has Hugging Face architectures "
+            f"(model_type {', '.join(FAMILIES)}) to export to."
         )
+    family = export_family(cfg.model)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = run.tokenizer()
-    files = write_params(params, out, dtype)
+    files = write_params(params, out, family.tensors, dtype)
     (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2)

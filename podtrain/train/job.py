@@ -14,7 +14,7 @@ import jax
 
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
-from podtrain.models import family
+from podtrain.models import MODELS, family
 from podtrain.sharding import batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
 from podtrain.train.digest import leaf_name
 from podtrain.train.state import TrainSetup, init_state, train_setup
@@ -69,8 +69,14 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     """The model, its optimizer and its task (text for language models, puzzles for reasoners) on
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
     _check_batch(cfg, data_parallel_size(mesh))
-    setup, t = train_setup(cfg, mesh), cfg.train
     record = family(cfg.model)
+    if data and cfg.data.source not in record.task.data_sources:
+        readers = [name for name, f in MODELS.items() if cfg.data.source in f.task.data_sources]
+        raise ConfigError(
+            f"data.source={cfg.data.source} is data for model.name={' or '.join(readers)}; model.name="
+            f"{cfg.model.name} reads data.source={' or '.join(record.task.data_sources)}."
+        )
+    setup, t = train_setup(cfg, mesh), cfg.train
     task = record.task(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}

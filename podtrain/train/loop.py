@@ -13,7 +13,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from podtrain.config.saved import differences
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError, ConfigError
-from podtrain.interop import hf
+from podtrain.interop.hf import checkpoint as hf_checkpoint
+from podtrain.interop.hf import families as hf_families
 from podtrain.planning import fit
 from podtrain.runtime import distributed
 from podtrain.train import optim
@@ -57,7 +58,7 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
 
 def initial_weights(source: str, abstract_params, cfg: Config):
     """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
-    a Hugging Face Llama checkpoint (a folder or a hub name), checked against this config's sizes."""
+    a Hugging Face checkpoint (a folder or a hub name), checked against this config's sizes."""
     if (Path(source) / "config.yaml").is_file():
         checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
         try:
@@ -70,18 +71,18 @@ def initial_weights(source: str, abstract_params, cfg: Config):
             ) from None
         finally:
             checkpointer.close()
-    folder = hf.hf_folder(source)
-    keys = hf.model_keys(hf.read_hf_config(folder), source)
+    folder = hf_checkpoint.hf_folder(source)
+    keys = hf_families.model_keys(hf_checkpoint.read_hf_config(folder), source)
     if cfg.model.name == "llama":
-        changed = hf.shape_differences(keys, cfg.model)
+        changed = hf_families.shape_differences(keys, cfg.model)
     else:
         changed = [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
     if changed:
         raise ConfigError(
-            f"train.init_from={source} is a Llama of other sizes: {'; '.join(changed)}. Give this run its model keys "
-            "(the config.yaml `podtrain convert --from-hf` writes has them)."
+            f"train.init_from={source} is a model of other sizes or options: {'; '.join(changed)}. Give this run "
+            "its model keys (the config.yaml `podtrain convert --from-hf` writes has them)."
         )
-    return hf.read_params(folder, abstract_params, source)
+    return hf_checkpoint.read_params(folder, abstract_params, hf_families.FAMILIES[keys["hf_type"]].tensors, source)
 
 
 def train(cfg: Config) -> dict:

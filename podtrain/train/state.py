@@ -65,9 +65,12 @@ def model_fns(cfg: Config, mesh: Mesh) -> ModelFns:
 
 
 def decay_mask(fns: ModelFns):
-    """Weight decay on matrices only: leaves with two or more axes besides the layer stack."""
+    """Weight decay on matrices only: leaves with two or more axes besides the layer stack and
+    head_dim (an attention bias, (heads, head_dim), is a vector per head)."""
     return jax.tree.map(
-        lambda names: sum(n != "layers" for n in names) >= 2, fns.logical_axes, is_leaf=lambda x: isinstance(x, tuple)
+        lambda names: sum(n not in ("layers", "head_dim") for n in names) >= 2,
+        fns.logical_axes,
+        is_leaf=lambda x: isinstance(x, tuple),
     )
 
 

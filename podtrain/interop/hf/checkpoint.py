@@ -1,5 +1,6 @@
-"""Hugging Face Llama checkpoints (`LlamaForCausalLM` in safetensors): their config as podtrain's
-model keys, their tensors read straight onto a mesh, and podtrain weights written back.
+"""Hugging Face checkpoints in safetensors: their folder (local or from the hub), their tensors
+read straight onto a mesh, and podtrain weights written back, by a family's table of names
+(`families.py`).
 
 Reading streams: the files are memory-mapped and each device's shard of a parameter is cut from
 one source tensor at a time (`jax.make_array_from_callback`), so the host never holds the model.
@@ -32,120 +33,11 @@ HUB_FILES = [
     "tokenizer_config.json",
     "special_tokens_map.json",
 ]
-
-# podtrain parameter -> (Hugging Face tensor, axes of the podtrain array that are the input side of
-# torch's (out, in) Linear weight, which is stored transposed; 0: stored as is). {i} is the layer.
-TENSORS = {
-    "embed": ("model.embed_tokens.weight", 0),
-    "head": ("lm_head.weight", 1),
-    "norm/scale": ("model.norm.weight", 0),
-    "layers/attn/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
-    "layers/attn/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
-    "layers/attn/wv": ("model.layers.{i}.self_attn.v_proj.weight", 1),
-    "layers/attn/wo": ("model.layers.{i}.self_attn.o_proj.weight", 2),
-    "layers/attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", 0),
-    "layers/mlp/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", 1),
-    "layers/mlp/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
-    "layers/mlp/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
-    "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", 0),
-}
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
-SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
-ROPE_SCALING_KEYS = {
-    "rope_factor": "factor",
-    "rope_low_freq_factor": "low_freq_factor",
-    "rope_high_freq_factor": "high_freq_factor",
-    "rope_original_max_len": "original_max_position_embeddings",
-}
-UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}  # what podtrain's Llama computes
-
-
-def model_keys(hf: dict, where: str) -> dict:
-    """The `model.*` keys of podtrain's Llama for a transformers LlamaConfig (config.json),
-    refusing any option it does not compute, by name."""
-    if hf.get("model_type") != "llama":
-        kind = hf.get("model_type") or (hf.get("architectures") or ["an unknown architecture"])[0]
-        raise ConfigError(
-            f"{where} holds a `{kind}` model; podtrain converts Llama-architecture checkpoints (model_type "
-            "llama: Llama, SmolLM, TinyLlama)."
-        )
-    for key, value in UNSUPPORTED.items():
-        if hf.get(key, value) != value:
-            raise ConfigError(
-                f"{where}: config.json has {key}={hf[key]!r}; podtrain's Llama computes {key}={value!r} only, so "
-                "this checkpoint cannot be converted."
-            )
-    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d_model // n_heads):
-        raise ConfigError(
-            f"{where}: config.json has head_dim={hf['head_dim']}; podtrain's Llama uses hidden_size / "
-            f"num_attention_heads = {d_model // n_heads}."
-        )
-    # transformers >= 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    keys = {
-        "name": "llama",
-        "vocab_size": hf["vocab_size"],
-        "d_model": d_model,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
-        "d_ff": hf["intermediate_size"],
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_scaling": "none",
-    }
-    if kind == "llama3":
-        keys |= {"rope_scaling": kind, **{ours: rope[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
-    elif kind != "default":
-        raise ConfigError(
-            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
-            "embedding and Llama 3's (`llama3`)."
-        )
-    return keys
-
-
-def hf_config(model, eos_id: int | None, dtype: str) -> dict:
-    """config.json of `LlamaForCausalLM` for podtrain's Llama config `model`; the rotary settings in
-    the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
-    scaling = (
-        {
-            "rope_type": model.rope_scaling,
-            **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()},
-        }
-        if model.rope_scaling != "none"
-        else None
-    )
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.d_model,
-        "num_hidden_layers": model.n_layers,
-        "num_attention_heads": model.n_heads,
-        "num_key_value_heads": model.n_kv_heads,
-        "head_dim": model.d_model // model.n_heads,
-        "intermediate_size": model.d_ff,
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": model.max_seq_len,
-        "tie_word_embeddings": model.tie_embeddings,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": dtype,
-        **UNSUPPORTED,
-    }
-
-
-def shape_differences(keys: dict, model) -> list[str]:
-    """The layer sizes in which an HF config's keys and a podtrain model config differ."""
-    return [
-        f"model.{k} ({keys[k]} there, {getattr(model, k)} here)" for k in SHAPE_KEYS if keys[k] != getattr(model, k)
-    ]
+# How a podtrain array is stored in a table entry (name, in_axes): in_axes k > 0 is a torch Linear
+# weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
+# vector (a bias, a norm's scale) stored as one axis; AS_IS is stored with the array's own shape.
+FLAT, AS_IS = 0, None
 
 
 def hf_folder(source: str) -> Path:
@@ -220,9 +112,11 @@ class SafeTensors:
         self._stack.close()
 
 
-def _hf_shape(shape: tuple[int, ...], in_axes: int) -> tuple[int, ...]:
+def _hf_shape(shape: tuple[int, ...], in_axes: int | None) -> tuple[int, ...]:
     """A podtrain array's shape as torch stores it: (out, in) for a Linear weight."""
-    return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
+    if in_axes is AS_IS:
+        return shape
+    return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else (math.prod(shape),)
 
 
 def _one(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -230,20 +124,21 @@ def _one(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[1:] if path.startswith("layers/") else shape
 
 
-def _names(path: str, n_layers: int) -> list[str]:
-    name = TENSORS[path][0]
+def _names(table: dict, path: str, n_layers: int) -> list[str]:
+    name = table[path][0]
     return [name.format(i=i) for i in range(n_layers)] if path.startswith("layers/") else [name]
 
 
-def read_params(folder: Path, abstract_params, where: str):
-    """The params of `abstract_params` (ShapeDtypeStructs with shardings) from an HF checkpoint,
-    each device's shard cut from one source tensor at a time and cast to the param's dtype."""
+def read_params(folder: Path, abstract_params, table: dict, where: str):
+    """The params of `abstract_params` (ShapeDtypeStructs with shardings) from an HF checkpoint
+    whose tensors `table` names, each device's shard cut from one source tensor at a time and cast
+    to the param's dtype. A tensor the params have no place for is an error, never dropped."""
     tensors = SafeTensors(folder)
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         paths = [leaf_name(p) for p, _ in leaves]
         n_layers = next(leaf.shape[0] for path, (_, leaf) in zip(paths, leaves) if path.startswith("layers/"))
-        wanted = {name for p in paths for name in _names(p, n_layers)}
+        wanted = {name for p in paths for name in _names(table, p, n_layers)}
         missing = sorted(wanted - set(tensors.where), key=len)
         tied_copy = {"lm_head.weight"} if "head" not in paths else set()  # some tied exports keep a copy
         extra = sorted(n for n in set(tensors.where) - wanted - tied_copy if not n.endswith(IGNORED))
@@ -251,12 +146,12 @@ def read_params(folder: Path, abstract_params, where: str):
             listing = (
                 (f"it lacks {', '.join(missing[:3])}" if missing else "")
                 + ("; " if missing and extra else "")
-                + (f"it has tensors podtrain's Llama has no place for: {', '.join(extra[:3])}" if extra else "")
+                + (f"it has tensors this model has no place for: {', '.join(extra[:3])}" if extra else "")
             )
-            raise CheckpointError(f"{where} does not hold the tensors of this Llama config: {listing}.")
+            raise CheckpointError(f"{where} does not hold the tensors of this model config: {listing}.")
         arrays = []
         for path, (_, leaf) in zip(paths, leaves):
-            in_axes, names = TENSORS[path][1], _names(path, n_layers)
+            in_axes, names = table[path][1], _names(table, path, n_layers)
             stacked = path.startswith("layers/")
             one = (
                 jax.ShapeDtypeStruct(
@@ -282,7 +177,7 @@ def read_params(folder: Path, abstract_params, where: str):
 
 def _place(tensor: np.ndarray, target: jax.ShapeDtypeStruct, in_axes: int) -> jax.Array:
     """One source tensor in podtrain's layout, each device given its shard in the target dtype."""
-    tensor = (tensor.T if in_axes else tensor).reshape(target.shape)
+    tensor = (tensor.T if in_axes else tensor).reshape(target.shape)  # a FLAT or AS_IS one is not transposed
     return jax.make_array_from_callback(target.shape, target.sharding, lambda index: tensor[index].astype(target.dtype))
 
 
@@ -301,9 +196,9 @@ def _stacked(layers, leaf: jax.ShapeDtypeStruct) -> jax.Array:
     return stack
 
 
-def write_params(params, out: Path, dtype: str) -> list[str]:
-    """`params` as torch's LlamaForCausalLM names and layouts in `dtype`: one model.safetensors,
-    or shards of at most SHARD_BYTES with model.safetensors.index.json. Returns the files written."""
+def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
+    """`params` under `table`'s names in torch's layouts in `dtype`: one model.safetensors, or
+    shards of at most SHARD_BYTES with model.safetensors.index.json. Returns the files written."""
     from safetensors.numpy import save_file
 
     np_dtype = np.dtype(jnp.dtype(dtype))
@@ -314,15 +209,16 @@ def write_params(params, out: Path, dtype: str) -> list[str]:
         """(name, shape, how to make it), in the order transformers lists them."""
         for path, x in flat.items():
             in_axes, stacked, shape = (
-                TENSORS[path][1],
+                table[path][1],
                 path.startswith("layers/"),
-                _hf_shape(_one(path, x.shape), TENSORS[path][1]),
+                _hf_shape(_one(path, x.shape), table[path][1]),
             )
-            for i, name in enumerate(_names(path, n_layers)):
+            for i, name in enumerate(_names(table, path, n_layers)):
 
                 def make(x=x, i=i, stacked=stacked, in_axes=in_axes, shape=shape):
                     a = np.asarray(jax.device_get(x[i] if stacked else x))
-                    return np.ascontiguousarray((a.reshape(shape[::-1]).T if in_axes else a).astype(np_dtype))
+                    a = a.reshape(shape[::-1]).T if in_axes else a.reshape(shape)
+                    return np.ascontiguousarray(a.astype(np_dtype))
 
                 yield name, shape, make
 
