@@ -61,7 +61,8 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     import numpy as np
     from flax import nnx
     from podtrain.interop.hf.checkpoint import _hf_shape, _names, _one
-    from podtrain.interop.hf.families import LLAMA_TENSORS, hf_config
+    from podtrain.interop.hf.config_json import hf_config
+    from podtrain.interop.hf.families import LLAMA_TENSORS
     from podtrain.models import build_model
     from podtrain.train.digest import leaf_name
     from safetensors.numpy import save_file
@@ -116,7 +117,8 @@ def naive_load(folder: str) -> None:
     from podtrain import runtime
     from podtrain.config.load import load_config, resolve_auto
     from podtrain.interop.hf.checkpoint import _names
-    from podtrain.interop.hf.families import LLAMA_TENSORS, model_keys
+    from podtrain.interop.hf.config_json import model_keys
+    from podtrain.interop.hf.families import LLAMA_TENSORS
     from podtrain.train.digest import leaf_name
     from podtrain.train.state import model_fns
     from safetensors.numpy import load_file

@@ -241,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
 
     cv = sub.add_parser(
         "convert",
-        help="import a Hugging Face checkpoint (Llama, Mistral, Qwen) as a run directory, or export a run to one",
+        help="import a Hugging Face checkpoint (Llama, Mistral, Qwen, Gemma, Phi-3) as a run directory, or export one",
         description=(
             "--from-hf SRC RUN_DIR [key=value ...]: SRC is a folder with config.json and *.safetensors or a hub name; "
             "RUN_DIR gets config.yaml, the tokenizer and a step-0 checkpoint of the weights. --to-hf RUN_DIR OUT_DIR: "

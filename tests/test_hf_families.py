@@ -42,6 +42,35 @@ FAMILIES = {
         {"head_dim": 24, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     ),
     "qwen3-untied-biases": ("qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
+    # fused qkv and gate_up weights, a quarter of each head rotated, a window on every layer
+    "phi3": ("phi3", {"partial_rotary_factor": 0.25, "sliding_window": 8, "tie_word_embeddings": False}),
+    # soft-caps low enough that tanh bends the scores and logits; layer 0 slides (even layers)
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 24,
+            "query_pre_attn_scalar": 20,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+            "sliding_window": 8,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    # layer 0 slides with RoPE base 10,000, layer 1 attends to all with base 1e6 stretched linearly
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 24,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -96,3 +125,52 @@ def test_an_export_to_a_family_that_lacks_an_option_is_refused(tmp_path, capsys)
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "model_type mistral (model.hf_type) has no place for model.qk_norm=true; set model.hf_type=qwen3" in err
+
+
+def test_config_fields_left_out_take_transformers_defaults():
+    """A config.json without layer_types slides by the family's pattern (Gemma 2: every other layer,
+    Gemma 3: five in six), and fields left out take transformers' defaults, not podtrain's."""
+    from podtrain.interop.hf.config_json import model_keys
+
+    sizes = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
+    gemma2 = model_keys({"model_type": "gemma2", "num_hidden_layers": 6, **sizes}, "here")
+    assert gemma2["full_attention_layers"] == [1, 3, 5] and gemma2["sliding_window"] == 4096
+    assert (gemma2["attn_softcap"], gemma2["final_softcap"], gemma2["query_pre_attn_scalar"]) == (50.0, 30.0, 256)
+    assert gemma2["head_dim"] == 256 and gemma2["tie_embeddings"]
+    gemma3 = model_keys({"model_type": "gemma3_text", "num_hidden_layers": 12, **sizes}, "here")
+    assert gemma3["full_attention_layers"] == [5, 11] and gemma3["attn_softcap"] == 0.0
+    assert (gemma3["rope_theta"], gemma3["rope_local_theta"]) == (1e6, 1e4)
+    assert model_keys({"model_type": "mistral", "num_hidden_layers": 2, **sizes}, "here")["sliding_window"] == 4096
+    assert model_keys({"model_type": "qwen3", "num_hidden_layers": 2, **sizes}, "here")["head_dim"] == 128
+
+
+def test_a_multimodal_gemma3s_language_model_imports_and_exports_as_text(tmp_path):
+    """Gemma3ForConditionalGeneration keeps its language model under language_model.*, beside a
+    vision tower: the language model imports (logits of text equal the multimodal model's), the
+    vision tensors stay behind, and the export is that language model as a gemma3_text."""
+    torch.manual_seed(0)
+    text = {**SIZES, "head_dim": 24, "sliding_window": 8, "sliding_window_pattern": 2}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14}, mm_tokens_per_image=4
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    difference = np.abs(podtrain_logits(tmp_path / "run", TOKENS) - torch_logits(model, TOKENS)).max()
+    assert difference < 1e-4, difference
+
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    source, exported = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "out"))
+    language = {
+        name.removeprefix("language_model."): t for name, t in source.items() if name.startswith("language_model.")
+    }
+    assert sorted(exported) == sorted(language)
+    assert all(np.array_equal(exported[name], t) for name, t in language.items())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    assert np.abs(torch_logits(reloaded.float().eval(), TOKENS) - torch_logits(model, TOKENS)).max() < 1e-5

@@ -317,6 +317,11 @@ def validate(cfg: Config) -> None:
             f"model.sliding_window={cfg.model.sliding_window} masks each layer by its own window, which "
             f"model.attention={attention} does not take yet; use model.attention=xla (or auto)."
         )
+    if getattr(cfg.model, "attn_softcap", 0) and attention == "cudnn":
+        raise ConfigError(
+            f"model.attn_softcap={cfg.model.attn_softcap} bounds the attention scores, which cuDNN's fused "
+            "attention does not; use model.attention=xla (or auto)."
+        )
     profile = t.profile_steps
     if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
         raise ConfigError(
@@ -349,7 +354,9 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        m.attention = fused if cfg.data.pack != "documents" and not getattr(m, "sliding_window", 0) else "xla"
+        if cfg.data.pack == "documents" or getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0):
+            fused = "xla"  # masks, windows and soft-caps: see validate
+        m.attention = fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     return cfg

@@ -30,21 +30,28 @@ def causal_blocks(t: int) -> int:
 
 
 def grouped_attention(
-    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask: jax.Array | None = None, causal: bool = True
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    mask: jax.Array | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim)) v, each k/v head read in place by its group of query heads
-    (no copies); scores and softmax in float32. `mask` (batch or 1, 1, T, S): True where a query
-    may attend to a key, and with `causal` only to keys at or before its own position."""
+    """softmax(q k^T * scale) v, scale 1/sqrt(head_dim) unless given, each k/v head read in place
+    by its group of query heads (no copies); scores and softmax in float32. `mask` (batch or 1, 1,
+    T, S): True where a query may attend to a key, and with `causal` only to keys at or before its
+    own position. A `softcap` c bounds the scores to (-c, c) as c tanh(s / c), before the mask (Gemma 2)."""
     b, t, n, h = q_BTNH.shape
     s, kv = k_BSKH.shape[1:3]
     # Scaled before the product: T x H, not T x S, multiplies.
-    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(h**-0.5, q_BTNH.dtype)
+    q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(scale or h**-0.5, q_BTNH.dtype)
     allowed = jnp.ones((1, 1, t, 1, s), bool) if mask is None else mask[:, :, :, None]  # (B, 1, T, 1, S)
     if causal:
         allowed = allowed & jnp.tril(jnp.ones((t, s), bool))[None, None, :, None]
     bias = jnp.where(allowed, 0.0, -1e30).astype(jnp.float32)  # added, not selected: the backward needs no mask
     blocks = causal_blocks(t) if causal and t == s else 1
-    return _attend(q, k_BSKH, v_BSKH, bias, blocks).reshape(b, t, n, h)
+    return _attend(q, k_BSKH, v_BSKH, bias, blocks, softcap).reshape(b, t, n, h)
 
 
 def _spans(t: int, s: int, blocks: int) -> list[tuple[int, int, int]]:
@@ -53,27 +60,31 @@ def _spans(t: int, s: int, blocks: int) -> list[tuple[int, int, int]]:
     return [(i * size, (i + 1) * size, (i + 1) * size if blocks > 1 else s) for i in range(blocks)]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
-    return _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks)[0]
+def _scores(q_BTKGH, k_BSKH, softcap: float) -> jax.Array:
+    """(B, K, T, G, S) float32 scores, soft-capped when `softcap` is set."""
+    scores = jnp.einsum("btkgh,bskh->bktgs", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    return softcap * jnp.tanh(scores / softcap) if softcap else scores
 
 
-def _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(q_BTKGH, k_BSKH, v_BSKH, bias, blocks, softcap):
+    return _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks, softcap)[0]
+
+
+def _attend_fwd(q_BTKGH, k_BSKH, v_BSKH, bias, blocks, softcap):
     outs, probs = [], []
     for lo, hi, end in _spans(q_BTKGH.shape[1], k_BSKH.shape[1], blocks):
-        scores = (
-            jnp.einsum("btkgh,bskh->bktgs", q_BTKGH[:, lo:hi], k_BSKH[:, :end], preferred_element_type=jnp.float32)
-            + bias[:, :, lo:hi, :, :end]
-        )
+        scores = _scores(q_BTKGH[:, lo:hi], k_BSKH[:, :end], softcap) + bias[:, :, lo:hi, :, :end]
         probs.append(jax.nn.softmax(scores, axis=-1))
         outs.append(jnp.einsum("bktgs,bskh->btkgh", probs[-1].astype(v_BSKH.dtype), v_BSKH[:, :end]))
     out = jnp.concatenate(outs, axis=1)
     return out, (q_BTKGH, k_BSKH, v_BSKH, probs, out, bias)
 
 
-def _attend_bwd(blocks, residuals, d_out):
+def _attend_bwd(blocks, softcap, residuals, d_out):
     """FlashAttention's backward, block by block: the softmax's row term sum_s dP P is sum_h dO O, a
-    reduction over the head dimension instead of the keys. A masked score has P = 0: no gradient."""
+    reduction over the head dimension instead of the keys. A masked score has P = 0: no gradient.
+    Through a soft-cap, the capped score c tanh(s / c) is recomputed: its derivative is 1 - tanh²."""
     q, k, v, probs, out, bias = residuals
     row = jnp.einsum("btkgh,btkgh->bktg", d_out.astype(jnp.float32), out.astype(jnp.float32))
     dq, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
@@ -83,7 +94,10 @@ def _attend_bwd(blocks, residuals, d_out):
             jnp.einsum("bktgs,btkgh->bskh", p.astype(v.dtype), d_block, preferred_element_type=jnp.float32)
         )
         d_probs = jnp.einsum("btkgh,bskh->bktgs", d_block, v[:, :end], preferred_element_type=jnp.float32)
-        d_scores = (p * (d_probs - row[:, :, lo:hi, :, None])).astype(q.dtype)
+        d_scores = p * (d_probs - row[:, :, lo:hi, :, None])
+        if softcap:
+            d_scores = d_scores * (1 - jnp.square(_scores(q[:, lo:hi], k[:, :end], softcap) / softcap))
+        d_scores = d_scores.astype(q.dtype)
         dq.append(jnp.einsum("bktgs,bskh->btkgh", d_scores, k[:, :end]))
         dk = dk.at[:, :end].add(
             jnp.einsum("bktgs,btkgh->bskh", d_scores, q[:, lo:hi], preferred_element_type=jnp.float32)
@@ -98,9 +112,16 @@ SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: 
 
 
 def splash_attention(
-    q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True, interpret: bool = False
+    q_BTNH: jax.Array,
+    k_BTKH: jax.Array,
+    v_BTKH: jax.Array,
+    causal: bool = True,
+    interpret: bool = False,
+    scale: float | None = None,
+    softcap: float = 0.0,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(head_dim)) v by the Pallas splash-attention kernel for TPU: scores
+    """softmax(q k^T * scale) v (scale 1/sqrt(head_dim) unless given; scores soft-capped by
+    `softcap` when set) by the Pallas splash-attention kernel for TPU: scores
     live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
     device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
     repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
@@ -116,9 +137,13 @@ def splash_attention(
         t, heads = q.shape[2], q.shape[1]
         mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
         kernel = splash.make_splash_mha(
-            masks.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1, interpret=interpret
+            masks.MultiHeadMask([mask] * heads),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+            attn_logits_soft_cap=softcap or None,
         )
-        return jax.vmap(kernel)(q * jnp.asarray(head_dim**-0.5, q.dtype), k, v).transpose(0, 2, 1, 3)
+        return jax.vmap(kernel)(q * jnp.asarray(scale or head_dim**-0.5, q.dtype), k, v).transpose(0, 2, 1, 3)
 
     return per_shard(local, (HEADS,) * 3, HEADS)(q_BTNH, k_BTNH, v_BTNH)
 
@@ -164,8 +189,9 @@ def fused_attention_stand_in(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.A
 class Attention(nnx.Module):
     """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
     n_heads query heads of head_dim each. The options of the Hugging Face families: `bias` on the
-    q, k and v projections ("qkv", Qwen2) or on all four ("all"), and `qk_norm`, an RMSNorm over
-    head_dim of each query and key head before the rotation (Qwen3)."""
+    q, k and v projections ("qkv", Qwen2) or on all four ("all"), `qk_norm`, an RMSNorm over
+    head_dim of each query and key head before the rotation (Qwen3, Gemma 3), the scores' `scale`
+    (Gemma's query_pre_attn_scalar^-0.5) and their `softcap` (Gemma 2)."""
 
     def __init__(
         self,
@@ -183,6 +209,9 @@ class Attention(nnx.Module):
         bias: str = "none",
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        norm_plus_one: bool = False,
+        scale: float | None = None,
+        softcap: float = 0.0,
     ):
         head_dim = head_dim or d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
@@ -196,9 +225,10 @@ class Attention(nnx.Module):
         if bias == "all":
             self.bo = param(rngs, (d_model,), ("embed",), 0.0)
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, norm_eps, axis="head_dim")
-            self.k_norm = RMSNorm(head_dim, norm_eps, axis="head_dim")
+            self.q_norm = RMSNorm(head_dim, norm_eps, axis="head_dim", plus_one=norm_plus_one)
+            self.k_norm = RMSNorm(head_dim, norm_eps, axis="head_dim", plus_one=norm_plus_one)
         self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
+        self.scale, self.softcap = scale or head_dim**-0.5, softcap
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
@@ -250,13 +280,15 @@ class Attention(nnx.Module):
             near = window_mask(positions, positions, window)
             mask = near if mask is None else mask & near
         if self.implementation == "splash":
-            out = splash_attention(q, k, v, self.causal)
+            out = splash_attention(q, k, v, self.causal, scale=self.scale, softcap=self.softcap)
         elif self.implementation == "cudnn_estimate":
             out = fused_attention_stand_in(q, k, v, self.causal)
         elif self.implementation == "cudnn":
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation="cudnn")
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=self.scale, is_causal=self.causal, implementation="cudnn"
+            )
         else:
-            out = grouped_attention(q, k, v, mask, self.causal)
+            out = grouped_attention(q, k, v, mask, self.causal, self.scale, self.softcap)
         return self.output(constrain(out, HEADS))
 
     def decode(
@@ -274,5 +306,5 @@ class Attention(nnx.Module):
         mask = (keys[None, :] <= queries[:, None])[None, None]
         if window is not None:
             mask = mask & window_mask(queries, keys, window)
-        out = grouped_attention(q, *cache, mask, causal=False)
+        out = grouped_attention(q, *cache, mask, causal=False, scale=self.scale, softcap=self.softcap)
         return self.output(out), cache

@@ -95,24 +95,34 @@ rms_norm_keeping_input.defvjp(_rms_norm_keeping_input_fwd, _rms_norm_keeping_inp
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, whose logical name is `axis`."""
+    """x / rms(x) * scale over the last axis, whose logical name is `axis`. With `plus_one` the
+    scale is 1 + w, w starting at 0 (Gemma's norms)."""
 
-    def __init__(self, dim: int, eps: float, axis: str = "embed"):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,), eager_sharding=False)
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, axis: str = "embed", plus_one: bool = False):
+        start = jnp.zeros if plus_one else jnp.ones
+        self.scale = nnx.Param(start((dim,), jnp.float32), out_sharding=(axis,), eager_sharding=False)
+        self.eps, self.plus_one = eps, plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = jnp.expand_dims(self.scale[...], tuple(range(x.ndim - 1)))  # (1, ..., 1, dim)
+        scale = self.scale[...] + 1 if self.plus_one else self.scale[...]
+        scale = jnp.expand_dims(scale, tuple(range(x.ndim - 1)))  # (1, ..., 1, dim)
         return (rms_norm(x, self.eps) * scale).astype(x.dtype)
 
 
 def rope_tables(
-    positions, head_dim: int, theta: float, llama3: tuple[float, float, float, int] | None = None
+    positions,
+    head_dim: int,
+    theta: float,
+    llama3: tuple[float, float, float, int] | None = None,
+    linear: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """cos and sin of shape (len(positions), head_dim // 2) for rotary position embeddings at
     `positions` (an int n: 0..n-1). `llama3` = (factor, low_freq_factor, high_freq_factor,
-    original_max_len) stretches the long wavelengths as Llama 3 does for its longer context."""
+    original_max_len) stretches the long wavelengths as Llama 3 does for its longer context;
+    `linear` divides every frequency by that factor."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if linear is not None:  # positions divided by the factor (transformers' "linear" rope type)
+        inv_freq = inv_freq / linear
     if llama3 is not None:
         factor, low, high, original = llama3
         wavelen = 2 * jnp.pi / inv_freq
@@ -138,10 +148,13 @@ def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.Arra
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate (batch, seq, heads, head_dim) by position, in the half-split layout of Llama."""
+    """Rotate (batch, seq, heads, head_dim) by position, in the half-split layout of Llama. Tables
+    narrower than head_dim / 2 rotate only the first 2 x their width dimensions (partial rotary, Phi-3)."""
     cos, sin = (t[None, :, None, :] for t in rope)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = jnp.split(x[..., :rotary].astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotated if rotary == x.shape[-1] else jnp.concatenate([rotated, x[..., rotary:]], axis=-1)
 
 
 @jax.custom_vjp
@@ -198,7 +211,8 @@ class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism.
     With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`);
-    with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`)."""
+    with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`).
+    With activation="gelu_tanh" it is GeGLU (Gemma), differentiated by autodiff."""
 
     def __init__(
         self,
@@ -213,16 +227,22 @@ class SwiGLU(nnx.Module):
         x_axes: tuple[str, ...] = ACT,
         recompute: bool = False,
         kernel: str = "xla",
+        activation: str = "silu",
     ):
         self.w_gate = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_up = param(rngs, (d_model, d_ff), (axis, "mlp"), std)
         self.w_down = param(rngs, (d_ff, d_model), ("mlp", axis), out_std)
         self.dtype, self.x_axes, self.recompute, self.kernel = dtype, x_axes, recompute, kernel
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         w_down = self.w_down[...].astype(self.dtype)
+        if self.activation == "gelu_tanh":  # GeGLU (Gemma): autodiff's backward, none of silu's kernels
+            gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
+            hidden = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
+            return constrain(hidden @ w_down, self.x_axes)
         if self.kernel == "pallas" and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
             return constrain(fused_mlp.fused_swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         if self.recompute:

@@ -41,10 +41,12 @@ class LlamaConfig(LanguageModelConfig):
     n_kv_heads: int = key(2, "key/value heads: n_heads / n_kv_heads query heads share one (grouped-query)", ">= 1")
     tie_embeddings: bool = key(True, "the output head is the embedding table, transposed")
     init_std: float = key(0.02, "std of the initial weights; residual outputs get std / sqrt(2 n_layers)", "> 0")
-    rope_scaling: Literal["none", "llama3"] = key(
-        "none", "llama3: Llama 3's stretch of the long rotary wavelengths, with the four rope_ keys below"
+    rope_scaling: Literal["none", "llama3", "linear"] = key(
+        "none",
+        "llama3: Llama 3's stretch of the long rotary wavelengths, with the four rope_ keys below; linear: "
+        "positions divided by rope_factor (of the layers that attend to everything, if rope_local_theta is set)",
     )
-    rope_factor: float = key(8.0, "llama3 scaling: how far the long wavelengths are stretched", ">= 1")
+    rope_factor: float = key(8.0, "llama3 and linear scaling: how far the wavelengths are stretched", ">= 1")
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
     rope_original_max_len: int = key(8192, "llama3 scaling: the context length before the stretch", ">= 1")
@@ -59,7 +61,20 @@ class LlamaConfig(LanguageModelConfig):
     full_attention_layers: list[int] = key(
         [], "layers (from 0) that attend to every earlier position whatever sliding_window (Qwen2's first ones)"
     )
-    hf_type: Literal["llama", "mistral", "qwen2", "qwen3"] = key(
+    rotary_fraction: float = key(
+        1.0, "the share of each head's dimensions that RoPE rotates (Phi-3's partial rotary)", "(0, 1]"
+    )
+    rope_local_theta: float = key(0.0, "RoPE base of the sliding layers (Gemma 3: 10,000); 0: rope_theta", ">= 0")
+    query_pre_attn_scalar: int = key(0, "attention scores are scaled by this^-0.5 (Gemma); 0: head_dim", ">= 0")
+    attn_softcap: float = key(0.0, "attention scores bounded to (-c, c) as c tanh(s / c) (Gemma 2: 50); 0: off", ">= 0")
+    final_softcap: float = key(0.0, "logits bounded the same way (Gemma 2: 30); 0: off", ">= 0")
+    norm_plus_one: bool = key(False, "RMSNorms scale by 1 + w, w starting at 0 (Gemma)")
+    scale_embedding: bool = key(False, "the embedding times sqrt(d_model), rounded to the compute dtype (Gemma)")
+    post_norms: bool = key(False, "an RMSNorm on each branch's output before the residual add (Gemma 2 and 3)")
+    mlp_activation: Literal["silu", "gelu_tanh"] = key(
+        "silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)"
+    )
+    hf_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] = key(
         "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
     )
 
@@ -75,6 +90,16 @@ class LlamaConfig(LanguageModelConfig):
 
     def validate(self) -> None:
         super().validate()
+        if int(self.head_size * self.rotary_fraction) % 2:
+            raise ConfigError(
+                f"model.rotary_fraction={self.rotary_fraction} rotates {int(self.head_size * self.rotary_fraction)} of "
+                f"each head's {self.head_size} dimensions; RoPE rotates pairs: pick a fraction giving an even number."
+            )
+        if self.rope_local_theta and not self.sliding_window:
+            raise ConfigError(
+                f"model.rope_local_theta={self.rope_local_theta} is the RoPE base of the sliding layers, and "
+                "model.sliding_window=0 makes none; set a window, or rope_local_theta=0."
+            )
         if bad := [i for i in self.full_attention_layers if not 0 <= i < self.n_layers]:
             raise ConfigError(
                 f"model.full_attention_layers names layers {bad}, outside 0..{self.n_layers - 1} (model.n_layers="
@@ -91,7 +116,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.compute_dtype)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.attn = Attention(
             cfg.d_model,
             cfg.n_heads,
@@ -105,21 +130,31 @@ class Block(nnx.Module):
             bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
             norm_eps=cfg.norm_eps,
+            norm_plus_one=cfg.norm_plus_one,
+            scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+            softcap=cfg.attn_softcap,
         )
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+        self.mlp = SwiGLU(
+            cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs, activation=cfg.mlp_activation
+        )
+        if cfg.post_norms:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+            self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
+        self.post_norms = cfg.post_norms
 
     def __call__(self, x: jax.Array, rope, mask, window=None) -> jax.Array:
-        return self.residual(x, lambda h: self.attn(self.attn_norm(h), rope, mask, window))
+        rope = layer_rope(rope, window)
+        return self.residual(x, lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, mask, window)))
 
     def decode(self, x: jax.Array, rope, cache, start, window=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
-        updated = []
+        updated, rope = [], layer_rope(rope, window)
 
         def attend(h):
             out, new = self.attn.decode(self.attn_norm(h), rope, cache, start, window)
             updated.append(new)
-            return out
+            return self.attn_out(out)
 
         return self.residual(x, attend), updated[0]
 
@@ -130,8 +165,23 @@ class Block(nnx.Module):
         x = constrain(x + attend(x), ACT)
         return constrain(x + self.mlp_branch(x), ACT)
 
+    def attn_out(self, out: jax.Array) -> jax.Array:
+        """The attention branch's output as it joins the residual stream."""
+        return self.attn_post_norm(out) if self.post_norms else out
+
     def mlp_branch(self, x: jax.Array) -> jax.Array:
-        return self.mlp(self.mlp_norm(x))
+        out = self.mlp(self.mlp_norm(x))
+        return self.mlp_post_norm(out) if self.post_norms else out
+
+
+def layer_rope(rope, window):
+    """A layer's rotary tables: `rope` itself, or of {"full": ..., "sliding": ...} (model.rope_local_theta)
+    the sliding layers' when this layer's window is set."""
+    if not isinstance(rope, dict):
+        return rope
+    if window is None:  # no layer slides
+        return rope["full"]
+    return jax.tree.map(lambda full, sliding: jnp.where(window > 0, sliding, full), rope["full"], rope["sliding"])
 
 
 class Llama(nnx.Module):
@@ -148,7 +198,7 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
         self.layers = stacked(cfg.n_layers, lambda r: self.block(cfg, r), rngs)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
@@ -201,20 +251,30 @@ class Llama(nnx.Module):
         return jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype)
 
     def embedded(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return embed_tokens(table, tokens).astype(self.cfg.compute_dtype)
+        x = embed_tokens(table, tokens).astype(self.cfg.compute_dtype)
+        # Gemma rounds sqrt(d_model) to the compute dtype first (bf16: 55.5 for 55.43 at d_model 3072)
+        return x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype) if self.cfg.scale_embedding else x
 
-    def rope(self, positions) -> tuple[jax.Array, jax.Array]:
+    def rope(self, positions):
+        """cos and sin tables at `positions`; with model.rope_local_theta, {"full": ..., "sliding": ...}."""
         cfg = self.cfg
         llama3 = (
             (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
             if cfg.rope_scaling == "llama3"
             else None
         )
-        return rope_tables(positions, cfg.head_size, cfg.rope_theta, llama3)
+        linear = cfg.rope_factor if cfg.rope_scaling == "linear" else None
+        rotary = int(cfg.head_size * cfg.rotary_fraction)  # as transformers rounds it
+        full = rope_tables(positions, rotary, cfg.rope_theta, llama3, linear)
+        if not cfg.rope_local_theta:
+            return full
+        return {"full": full, "sliding": rope_tables(positions, rotary, cfg.rope_local_theta)}
 
     def logits(self, table: jax.Array, x: jax.Array) -> jax.Array:
         head = table.T if self.cfg.tie_embeddings else constrain(self.head[...], HEAD)
-        return output_head(self.norm(x), head, jnp.dtype(self.cfg.compute_dtype))
+        logits = output_head(self.norm(x), head, jnp.dtype(self.cfg.compute_dtype))
+        cap = self.cfg.final_softcap
+        return cap * jnp.tanh(logits / cap) if cap else logits
 
     def widen(self, x: jax.Array) -> jax.Array:
         """The embedded tokens as the residual state the blocks carry."""

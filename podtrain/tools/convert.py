@@ -13,7 +13,8 @@ from podtrain.config.schema import Config
 from podtrain.data.tokenizer import keep_tokenizer, load_tokenizer
 from podtrain.errors import ConfigError
 from podtrain.interop.hf.checkpoint import hf_folder, read_hf_config, read_params, write_params
-from podtrain.interop.hf.families import FAMILIES, export_family, hf_config, model_keys
+from podtrain.interop.hf.config_json import export_family, hf_config, model_keys
+from podtrain.interop.hf.families import FAMILIES, tensor_layout
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.run import Run, on_this_machine
 from podtrain.train.state import model_fns
@@ -48,7 +49,8 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     rt, resolved = on_this_machine(cfg, announce=False)
     fns = model_fns(resolved, rt.mesh)
     start = time.perf_counter()
-    params = read_params(folder, fns.abstract_params, FAMILIES[keys["hf_type"]].tensors, source)
+    table, elsewhere = tensor_layout(hf)
+    params = read_params(folder, fns.abstract_params, table, source, elsewhere)
     seconds = time.perf_counter() - start
     if rt.is_main:  # `auto` precision kept: resolved on the machine that trains
         Run.of(cfg).keep(cfg, load_tokenizer(str(folder)) if has_tokenizer else None)

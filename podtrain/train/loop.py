@@ -14,7 +14,7 @@ from podtrain.config.saved import differences
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
-from podtrain.interop.hf import families as hf_families
+from podtrain.interop.hf import config_json, families
 from podtrain.planning import fit
 from podtrain.runtime import distributed
 from podtrain.train import optim
@@ -72,9 +72,10 @@ def initial_weights(source: str, abstract_params, cfg: Config):
         finally:
             checkpointer.close()
     folder = hf_checkpoint.hf_folder(source)
-    keys = hf_families.model_keys(hf_checkpoint.read_hf_config(folder), source)
+    hf = hf_checkpoint.read_hf_config(folder)
+    keys = config_json.model_keys(hf, source)
     if cfg.model.name == "llama":
-        changed = hf_families.shape_differences(keys, cfg.model)
+        changed = config_json.shape_differences(keys, cfg.model)
     else:
         changed = [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
     if changed:
@@ -82,7 +83,8 @@ def initial_weights(source: str, abstract_params, cfg: Config):
             f"train.init_from={source} is a model of other sizes or options: {'; '.join(changed)}. Give this run "
             "its model keys (the config.yaml `podtrain convert --from-hf` writes has them)."
         )
-    return hf_checkpoint.read_params(folder, abstract_params, hf_families.FAMILIES[keys["hf_type"]].tensors, source)
+    table, elsewhere = families.tensor_layout(hf)
+    return hf_checkpoint.read_params(folder, abstract_params, table, source, elsewhere)
 
 
 def train(cfg: Config) -> dict:

@@ -1,2 +1,3 @@
 """Hugging Face checkpoints: `checkpoint` reads and writes their safetensors onto a mesh,
-`families` maps each model_type's config.json and tensor names onto podtrain's decoder."""
+`families` records each model_type podtrain's decoder computes, `config_json` maps config.json
+onto the decoder's options and back."""

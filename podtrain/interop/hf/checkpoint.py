@@ -34,9 +34,11 @@ HUB_FILES = [
     "special_tokens_map.json",
 ]
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
-# How a podtrain array is stored in a table entry (name, in_axes): in_axes k > 0 is a torch Linear
-# weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
+# How a podtrain array is stored in a table entry (name, in_axes[, part]): in_axes k > 0 is a torch
+# Linear weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
 # vector (a bias, a norm's scale) stored as one axis; AS_IS is stored with the array's own shape.
+# Entries that share a name and number their `part` are one fused tensor (Phi-3's qkv_proj), their
+# rows one after another in that order.
 FLAT, AS_IS = 0, None
 
 
@@ -105,8 +107,11 @@ class SafeTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._files[self.where[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
-        return self._files[self.where[name]].get_tensor(name)
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor, or only its rows start..stop-1 (one part of a fused tensor)."""
+        if rows is None:
+            return self._files[self.where[name]].get_tensor(name)
+        return self._files[self.where[name]].get_slice(name)[rows[0] : rows[1]]
 
     def close(self) -> None:
         self._stack.close()
@@ -124,24 +129,44 @@ def _one(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[1:] if path.startswith("layers/") else shape
 
 
+def _rows(table: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int, int]]:
+    """(first row, end row, all rows of the tensor) of each param that is a part of a fused tensor;
+    `shapes` are one layer's shapes of the params the model has."""
+    spans = {}
+    for name in {entry[0] for entry in table.values() if len(entry) > 2}:
+        parts = sorted((table[p][2], p) for p in shapes if table[p][0] == name)
+        ends = np.cumsum([_hf_shape(shapes[p], table[p][1])[0] for _, p in parts])
+        spans |= {
+            p: (int(end - _hf_shape(shapes[p], table[p][1])[0]), int(end), int(ends[-1]))
+            for (_, p), end in zip(parts, ends)
+        }
+    return spans
+
+
 def _names(table: dict, path: str, n_layers: int) -> list[str]:
     name = table[path][0]
     return [name.format(i=i) for i in range(n_layers)] if path.startswith("layers/") else [name]
 
 
-def read_params(folder: Path, abstract_params, table: dict, where: str):
+def read_params(folder: Path, abstract_params, table: dict, where: str, elsewhere: tuple[str, ...] = ()):
     """The params of `abstract_params` (ShapeDtypeStructs with shardings) from an HF checkpoint
     whose tensors `table` names, each device's shard cut from one source tensor at a time and cast
-    to the param's dtype. A tensor the params have no place for is an error, never dropped."""
+    to the param's dtype. A tensor the params have no place for is an error, never dropped, unless
+    its name starts with one of `elsewhere` (a multimodal checkpoint's vision tower)."""
     tensors = SafeTensors(folder)
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         paths = [leaf_name(p) for p, _ in leaves]
         n_layers = next(leaf.shape[0] for path, (_, leaf) in zip(paths, leaves) if path.startswith("layers/"))
+        rows = _rows(table, {path: _one(path, leaf.shape) for path, (_, leaf) in zip(paths, leaves)})
         wanted = {name for p in paths for name in _names(table, p, n_layers)}
         missing = sorted(wanted - set(tensors.where), key=len)
-        tied_copy = {"lm_head.weight"} if "head" not in paths else set()  # some tied exports keep a copy
-        extra = sorted(n for n in set(tensors.where) - wanted - tied_copy if not n.endswith(IGNORED))
+        tied_copy = {table["head"][0]} if "head" not in paths else set()  # some tied exports keep a copy
+        extra = sorted(
+            n
+            for n in set(tensors.where) - wanted - tied_copy
+            if not n.endswith(IGNORED) and not n.startswith(elsewhere)
+        )
         if missing or extra:
             listing = (
                 (f"it lacks {', '.join(missing[:3])}" if missing else "")
@@ -162,13 +187,16 @@ def read_params(folder: Path, abstract_params, table: dict, where: str):
                 if stacked
                 else leaf
             )
+            expected = _hf_shape(one.shape, in_axes)
+            if path in rows:  # the whole fused tensor
+                expected = (rows[path][2], *expected[1:])
             for name in names:
-                if tensors.shape(name) != _hf_shape(one.shape, in_axes):
+                if tensors.shape(name) != expected:
                     raise CheckpointError(
-                        f"{where}: {name} is {list(tensors.shape(name))}, where this config needs "
-                        f"{list(_hf_shape(one.shape, in_axes))}."
+                        f"{where}: {name} is {list(tensors.shape(name))}, where this config needs {list(expected)}."
                     )
-            placed = (_place(tensors.get(name), one, in_axes) for name in names)
+            part = rows[path][:2] if path in rows else None
+            placed = (_place(tensors.get(name, part), one, in_axes) for name in names)
             arrays.append(_stacked(placed, leaf) if stacked else next(placed))
         return jax.tree_util.tree_unflatten(treedef, arrays)
     finally:
@@ -204,21 +232,30 @@ def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
     np_dtype = np.dtype(jnp.dtype(dtype))
     flat = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     n_layers = flat["layers/attn/wq"].shape[0]
+    rows = _rows(table, {path: _one(path, x.shape) for path, x in flat.items()})
+    fused = {}  # the parts of each fused tensor, in their order
+    for path in sorted(rows, key=lambda p: rows[p][0]):
+        fused.setdefault(table[path][0], []).append(path)
+
+    def piece(path: str, i: int) -> np.ndarray:
+        """Layer i's (or the only) array of param `path` in torch's layout."""
+        x, in_axes = flat[path], table[path][1]
+        shape = _hf_shape(_one(path, x.shape), in_axes)
+        a = np.asarray(jax.device_get(x[i] if path.startswith("layers/") else x))
+        return a.reshape(shape[::-1]).T if in_axes else a.reshape(shape)
 
     def entries():
         """(name, shape, how to make it), in the order transformers lists them."""
         for path, x in flat.items():
-            in_axes, stacked, shape = (
-                table[path][1],
-                path.startswith("layers/"),
-                _hf_shape(_one(path, x.shape), table[path][1]),
-            )
+            parts = fused.get(table[path][0], [path])
+            if path != parts[0]:
+                continue  # written with the first part of its tensor
+            shape = _hf_shape(_one(path, x.shape), table[path][1])
+            shape = (rows[path][2], *shape[1:]) if path in rows else shape
             for i, name in enumerate(_names(table, path, n_layers)):
 
-                def make(x=x, i=i, stacked=stacked, in_axes=in_axes, shape=shape):
-                    a = np.asarray(jax.device_get(x[i] if stacked else x))
-                    a = a.reshape(shape[::-1]).T if in_axes else a.reshape(shape)
-                    return np.ascontiguousarray(a.astype(np_dtype))
+                def make(i=i, parts=parts):
+                    return np.ascontiguousarray(np.concatenate([piece(p, i) for p in parts]).astype(np_dtype))
 
                 yield name, shape, make
 

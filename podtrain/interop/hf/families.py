@@ -1,10 +1,7 @@
-"""The Hugging Face model_types podtrain's decoder (`model.name=llama`) computes, each a record of
-the options it sets: config.json as podtrain's model keys and back, and its tensors' names.
-
-Every field of config.json is read, known not to change what the model computes (token ids,
-dtype, cache), or refused by name: a field this module does not know may change the computation,
-so it is never dropped silently. Facts per family: ../shared/MODELS.md and transformers'
-configuration_*.py.
+"""The Hugging Face model_types podtrain's decoder (`model.name=llama`) computes, each a record:
+the config.json fields it reads, the decoder options it sets, its tensors' names, transformers'
+defaults for fields a file may leave out. `config_json.py` reads and writes config.json by these
+records. Facts per family: ../shared/MODELS.md and transformers' configuration_*.py.
 """
 
 from __future__ import annotations
@@ -14,7 +11,8 @@ from dataclasses import dataclass, field
 from podtrain.errors import ConfigError
 from podtrain.interop.hf.checkpoint import AS_IS, FLAT
 
-# podtrain parameter -> (Hugging Face tensor, how it is stored: checkpoint.py). {i} is the layer.
+# podtrain parameter -> (Hugging Face tensor, how it is stored: checkpoint.py). {i} is the layer;
+# a parameter the model does not have (a bias, a q/k norm) is simply not read or written.
 LLAMA_TENSORS = {
     "embed": ("model.embed_tokens.weight", AS_IS),
     "head": ("lm_head.weight", 1),
@@ -36,6 +34,22 @@ LLAMA_TENSORS = {
     "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", FLAT),
 }
 
+GEMMA_TENSORS = {  # Gemma's four norms a layer: its post_attention_layernorm is the attention output's
+    **{k: v for k, v in LLAMA_TENSORS.items() if k != "layers/mlp_norm/scale"},
+    "layers/attn_post_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", FLAT),
+    "layers/mlp_norm/scale": ("model.layers.{i}.pre_feedforward_layernorm.weight", FLAT),
+    "layers/mlp_post_norm/scale": ("model.layers.{i}.post_feedforward_layernorm.weight", FLAT),
+}
+
+PHI3_TENSORS = {  # q, k and v fused in qkv_proj; gate and up in gate_up_proj (gate first)
+    **LLAMA_TENSORS,
+    "layers/attn/wq": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 0),
+    "layers/attn/wk": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 1),
+    "layers/attn/wv": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 2),
+    "layers/mlp/w_gate": ("model.layers.{i}.mlp.gate_up_proj.weight", 1, 0),
+    "layers/mlp/w_up": ("model.layers.{i}.mlp.gate_up_proj.weight", 1, 1),
+}
+
 # Fields that do not change what the model computes from tokens.
 INERT = {
     "architectures",
@@ -47,6 +61,7 @@ INERT = {
     "eos_token_id",
     "pad_token_id",
     "use_cache",
+    "cache_implementation",
     "initializer_range",
     "_name_or_path",
     "pretraining_tp",  # a Llama 2 training setting that transformers no longer reads
@@ -66,28 +81,22 @@ SHARED = {
     "rope_theta",
     "rope_scaling",
     "rope_parameters",
+    "attention_dropout",  # must be 0: podtrain has no dropout
 }
-# Fields whose only value podtrain computes: the MLP's activation; no dropout (a training regulariser podtrain lacks).
-FIXED = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
-ROPE_SCALING_KEYS = {
-    "rope_factor": "factor",
-    "rope_low_freq_factor": "low_freq_factor",
-    "rope_high_freq_factor": "high_freq_factor",
-    "rope_original_max_len": "original_max_position_embeddings",
+# The decoder's options a family may set, at the value a family that does not name them computes.
+DECODER_DEFAULTS = {
+    "attention_bias": "none",
+    "qk_norm": False,
+    "norm_plus_one": False,
+    "scale_embedding": False,
+    "post_norms": False,
+    "mlp_activation": "silu",
+    "query_pre_attn_scalar": 0,
+    "attn_softcap": 0.0,
+    "final_softcap": 0.0,
+    "rope_local_theta": 0.0,
+    "rotary_fraction": 1.0,
 }
-# Model keys that decide the params' shapes or what they compute: a checkpoint loads only into equal ones.
-STRUCTURE_KEYS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "d_ff",
-    "tie_embeddings",
-    "head_dim",
-    "attention_bias",
-    "qk_norm",
-)
 
 
 @dataclass(frozen=True)
@@ -95,37 +104,136 @@ class HfFamily:
     model_type: str
     architecture: str
     fields: frozenset[str]  # config.json fields it reads beyond SHARED
-    attention_bias: tuple[str, ...]  # the values of model.attention_bias it can hold
-    qk_norm: bool
-    windows: str  # "none", "all" (every layer slides: Mistral) or "layers" (layer_types: Qwen)
+    options: dict  # decoder options it always sets (the rest of DECODER_DEFAULTS at their defaults)
+    free: dict  # decoder options config.json decides: option -> its allowed values (None: any)
+    windows: str  # which layers slide: "none", "all" (Mistral), "qwen" (max_window_layers), or "pattern" (Gemma)
+    defaults: dict  # transformers' values of fields a config.json may leave out
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the field naming the MLP's activation, its value
     tensors: dict = field(default_factory=lambda: LLAMA_TENSORS)
 
+
+BIAS = {"attention_bias": ("none", "all")}  # transformers' attention_bias: on q, k, v and the output
+QWEN_WINDOWS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
+GEMMA_FIELDS = frozenset(
+    {
+        "attention_bias",
+        "hidden_act",  # older Gemma configs name the activation twice; transformers reads hidden_activation
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "use_bidirectional_attention",
+    }
+)
+GEMMA_OPTIONS = {"norm_plus_one": True, "scale_embedding": True, "post_norms": True, "mlp_activation": "gelu_tanh"}
+GEMMA_FREE = {**BIAS, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None}
+GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True}
+GELU = ("hidden_activation", "gelu_pytorch_tanh")
 
 FAMILIES = {
     f.model_type: f
     for f in (
+        HfFamily("llama", "LlamaForCausalLM", frozenset({"attention_bias", "mlp_bias"}), {}, BIAS, "none", {}),
         HfFamily(
-            "llama", "LlamaForCausalLM", frozenset({"attention_bias", "mlp_bias"}), ("none", "all"), False, "none"
+            "mistral", "MistralForCausalLM", frozenset({"sliding_window"}), {}, {}, "all", {"sliding_window": 4096}
         ),
-        HfFamily("mistral", "MistralForCausalLM", frozenset({"sliding_window"}), ("none",), False, "all"),
-        HfFamily(
-            "qwen2",
-            "Qwen2ForCausalLM",
-            frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
-            ("qkv",),
-            False,
-            "layers",
-        ),
+        HfFamily("qwen2", "Qwen2ForCausalLM", QWEN_WINDOWS, {"attention_bias": "qkv"}, {}, "qwen", {}),
         HfFamily(
             "qwen3",
             "Qwen3ForCausalLM",
-            frozenset({"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
-            ("none", "all"),
-            True,
-            "layers",
+            QWEN_WINDOWS | {"attention_bias"},
+            {"qk_norm": True},
+            BIAS,
+            "qwen",
+            {"head_dim": 128},
+        ),
+        HfFamily(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            GEMMA_FIELDS,
+            GEMMA_OPTIONS,
+            GEMMA_FREE,
+            "pattern",
+            {
+                **GEMMA_DEFAULTS,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+                "sliding_window_pattern": 2,
+            },
+            GELU,
+            GEMMA_TENSORS,
+        ),
+        HfFamily(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            GEMMA_FIELDS | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"},
+            {**GEMMA_OPTIONS, "qk_norm": True},
+            {**GEMMA_FREE, "rope_local_theta": None},
+            "pattern",
+            {
+                **GEMMA_DEFAULTS,
+                "rope_theta": 1_000_000.0,
+                "rope_local_base_freq": 10_000.0,
+                "sliding_window_pattern": 6,
+            },
+            GELU,
+            GEMMA_TENSORS,
+        ),
+        HfFamily(
+            "phi3",
+            "Phi3ForCausalLM",
+            # original_max_position_embeddings only matters to longrope scaling, which is refused
+            frozenset({"sliding_window", "resid_pdrop", "embd_pdrop", "partial_rotary_factor"})
+            | {"original_max_position_embeddings"},
+            {},
+            {"rotary_fraction": None},
+            "all",
+            {},
+            tensors=PHI3_TENSORS,
         ),
     )
 }
+
+
+# A multimodal Gemma 3 (Gemma3ForConditionalGeneration): its language model is a gemma3_text under
+# these prefixes; the vision tower and projector beside it are not imported.
+MULTIMODAL = {
+    "gemma3": {
+        "prefixes": {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
+        "elsewhere": ("vision_tower.", "multi_modal_projector."),
+        "fields": {"text_config", "vision_config", "boi_token_index", "eoi_token_index", "image_token_index"}
+        | {"mm_tokens_per_image", "tie_word_embeddings"},
+    }
+}
+
+
+def text_config(hf: dict, where: str) -> dict:
+    """The language model's config.json fields: the file's own, or a multimodal one's text_config."""
+    if hf.get("model_type") not in MULTIMODAL:
+        return hf
+    unknown = sorted(set(hf) - INERT - MULTIMODAL[hf["model_type"]]["fields"])
+    if unknown:
+        raise ConfigError(f"{where}: config.json has {', '.join(unknown)}, which podtrain does not read; refused.")
+    text = hf["text_config"]
+    if hf.get("tie_word_embeddings", text.get("tie_word_embeddings")) != text.get("tie_word_embeddings"):
+        raise ConfigError(f"{where}: config.json ties the embeddings otherwise than its text_config; refused.")
+    return text
+
+
+def tensor_layout(hf: dict) -> tuple[dict, tuple[str, ...]]:
+    """(podtrain param -> (tensor name, storage), prefixes of tensors that are not the language model's)
+    of a checkpoint with this config.json."""
+    if hf.get("model_type") not in MULTIMODAL:
+        return family_of(hf, "").tensors, ()
+    layout = MULTIMODAL[hf["model_type"]]
+    table = family_of(text_config(hf, ""), "").tensors
+
+    def moved(name: str) -> str:
+        prefix = next(p for p in layout["prefixes"] if name.startswith(p))
+        return layout["prefixes"][prefix] + name.removeprefix(prefix)
+
+    return {path: (moved(name), storage) for path, (name, storage) in table.items()}, layout["elsewhere"]
 
 
 def family_of(hf: dict, where: str) -> HfFamily:
@@ -134,158 +242,7 @@ def family_of(hf: dict, where: str) -> HfFamily:
         kind = kind or (hf.get("architectures") or ["an unknown architecture"])[0]
         raise ConfigError(
             f"{where} holds a `{kind}` model; podtrain converts model_type {', '.join(FAMILIES)} (Llama, SmolLM, "
-            "TinyLlama, Mistral, Qwen2/2.5, Qwen3)."
+            "TinyLlama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Phi-3) and the language model of a multimodal "
+            f"{', '.join(MULTIMODAL)}."
         )
     return FAMILIES[kind]
-
-
-def _windows(hf: dict, family: HfFamily, n_layers: int) -> dict:
-    """model.sliding_window and model.full_attention_layers, as transformers decides which layers slide."""
-    if family.windows == "all":
-        window, sliding = hf.get("sliding_window"), [True] * n_layers
-    elif family.windows == "layers":
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-        first = hf.get("max_window_layers", n_layers)
-        types = hf.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
-        ]
-        sliding = [t == "sliding_attention" for t in types]
-    else:
-        window, sliding = None, [False] * n_layers
-    if not window or not any(sliding):
-        return {"sliding_window": 0, "full_attention_layers": []}
-    return {"sliding_window": window, "full_attention_layers": [i for i, s in enumerate(sliding) if not s]}
-
-
-def model_keys(hf: dict, where: str) -> dict:
-    """The `model.*` keys of podtrain's decoder for a transformers config (config.json), refusing
-    any field it does not compute, by name."""
-    family = family_of(hf, where)
-    unknown = sorted(set(hf) - INERT - SHARED - family.fields - set(FIXED))
-    if unknown:
-        raise ConfigError(
-            f"{where}: config.json has {', '.join(unknown)}, which podtrain does not read for model_type "
-            f"{family.model_type}; it may change what the model computes, so the checkpoint is refused."
-        )
-    for key, value in FIXED.items():
-        if hf.get(key, value) != value:
-            raise ConfigError(
-                f"{where}: config.json has {key}={hf[key]!r}; podtrain computes {key}={value!r} only, so this "
-                "checkpoint cannot be converted."
-            )
-    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
-    # transformers >= 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
-    rope = hf.get("rope_parameters") or {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 10000.0)}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    bias = "qkv" if family.attention_bias == ("qkv",) else "all" if hf.get("attention_bias") else "none"
-    keys = {
-        "name": "llama",
-        "hf_type": family.model_type,
-        "vocab_size": hf["vocab_size"],
-        "d_model": d_model,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
-        "head_dim": hf.get("head_dim") or d_model // n_heads,
-        "d_ff": hf["intermediate_size"],
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "max_seq_len": hf.get("max_position_embeddings", 2048),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": bias,
-        "qk_norm": family.qk_norm,
-        "rope_scaling": "none",
-        **_windows(hf, family, hf["num_hidden_layers"]),
-    }
-    if kind == "llama3":
-        keys |= {"rope_scaling": kind, **{ours: rope[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
-    elif kind != "default":
-        raise ConfigError(
-            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
-            "embedding and Llama 3's (`llama3`)."
-        )
-    return keys
-
-
-def _misfits(family: HfFamily, model) -> list[str]:
-    """The options of podtrain's decoder config `model` that `family` has no place for."""
-    found = []
-    if model.attention_bias not in family.attention_bias:
-        found.append(f"model.attention_bias={model.attention_bias} (it has {' or '.join(family.attention_bias)})")
-    if model.qk_norm != family.qk_norm:
-        found.append(f"model.qk_norm={str(model.qk_norm).lower()}")
-    if model.sliding_window and family.windows == "none":
-        found.append("a sliding window")
-    if model.sliding_window and family.windows == "all" and model.full_attention_layers:
-        found.append("sliding windows on some layers only")
-    return found
-
-
-def export_family(model) -> HfFamily:
-    """The family `model.hf_type` names, if it can hold the model's options; else a clear error."""
-    family = FAMILIES[model.hf_type]
-    if misfits := _misfits(family, model):
-        fits = [f.model_type for f in FAMILIES.values() if not _misfits(f, model)]
-        advice = f"set model.hf_type={' or '.join(fits)}" if fits else "no Hugging Face family computes this model"
-        raise ConfigError(
-            f"model_type {family.model_type} (model.hf_type) has no place for {', '.join(misfits)}; {advice}."
-        )
-    return family
-
-
-def hf_config(model, eos_id: int | None, dtype: str) -> dict:
-    """config.json of `model.hf_type` for podtrain's decoder config `model`; the rotary settings in
-    the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
-    family = export_family(model)
-    scaling = (
-        {
-            "rope_type": model.rope_scaling,
-            **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()},
-        }
-        if model.rope_scaling != "none"
-        else None
-    )
-    config = {
-        "architectures": [family.architecture],
-        "model_type": family.model_type,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.d_model,
-        "num_hidden_layers": model.n_layers,
-        "num_attention_heads": model.n_heads,
-        "num_key_value_heads": model.n_kv_heads,
-        "head_dim": model.head_size,
-        "intermediate_size": model.d_ff,
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": model.max_seq_len,
-        "tie_word_embeddings": model.tie_embeddings,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": dtype,
-        "hidden_act": "silu",
-    }
-    if "attention_bias" in family.fields:
-        config["attention_bias"] = model.attention_bias == "all"
-    if "mlp_bias" in family.fields:
-        config["mlp_bias"] = False
-    windows = model.layer_windows()
-    if family.windows == "all":
-        config["sliding_window"] = model.sliding_window or None
-    elif family.windows == "layers":
-        config |= {
-            "use_sliding_window": windows is not None,
-            "sliding_window": model.sliding_window or None,
-            "max_window_layers": model.n_layers,  # unread: layer_types says which layers slide
-            "layer_types": ["sliding_attention" if w else "full_attention" for w in windows or [0] * model.n_layers],
-        }
-    return config
-
-
-def shape_differences(keys: dict, model) -> list[str]:
-    """The structure keys in which an HF config's keys and a podtrain model config differ."""
-    return [
-        f"model.{k} ({keys[k]} there, {getattr(model, k)} here)"
-        for k in STRUCTURE_KEYS
-        if keys[k] != getattr(model, k) and not (k == "head_dim" and keys[k] == model.head_size)
-    ]

@@ -1,0 +1,242 @@
+"""config.json of a Hugging Face checkpoint as podtrain's model keys, and back, by the records of
+`families.py`.
+
+Every field is read, known not to change what the model computes (token ids, dtype, cache), or
+refused by name: a field this module does not know may change the computation, so it is never
+dropped silently.
+"""
+
+from __future__ import annotations
+
+from podtrain.errors import ConfigError
+from podtrain.interop.hf.families import DECODER_DEFAULTS, FAMILIES, INERT, SHARED, HfFamily, family_of, text_config
+
+ROPE_SCALING_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_len": "original_max_position_embeddings",
+}
+
+# Model keys that decide the params' shapes or what they compute: a checkpoint loads only into equal ones.
+STRUCTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "head_dim")
+STRUCTURE_KEYS += tuple(DECODER_DEFAULTS)
+
+
+def _windows(hf: dict, family: HfFamily, n_layers: int) -> dict:
+    """model.sliding_window and model.full_attention_layers, as transformers decides which layers slide."""
+    window = hf.get("sliding_window")
+    if family.windows == "all":
+        sliding = [True] * n_layers
+    elif family.windows == "qwen":
+        window = window if hf.get("use_sliding_window") else None
+        first = hf.get("max_window_layers", n_layers)
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+        ]
+        sliding = [t == "sliding_attention" for t in types]
+    elif family.windows == "pattern":  # every period-th layer attends to everything (Gemma 2: 2, Gemma 3: 6)
+        period = hf.get("_sliding_window_pattern", hf["sliding_window_pattern"])  # transformers 5 writes the _ one
+        types = hf.get("layer_types") or [
+            "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)
+        ]
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        window, sliding = None, [False] * n_layers
+    if not window or not any(sliding):
+        return {"sliding_window": 0, "full_attention_layers": []}
+    return {"sliding_window": window, "full_attention_layers": [i for i, s in enumerate(sliding) if not s]}
+
+
+def _rope(hf: dict, where: str) -> dict:
+    """rope_theta, rope_scaling (and its parameters) and rope_local_theta of a config.json, in either
+    the rope_theta/rope_scaling form or transformers 5's rope_parameters (per layer type for Gemma 3)."""
+    params = hf.get("rope_parameters") or {
+        **(hf.get("rope_scaling") or {}),
+        "rope_theta": hf.get("rope_theta", 10000.0),
+    }
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    keys = {"rope_local_theta": 0.0, "rotary_fraction": float(fraction)}
+    if "full_attention" in params:  # one set per layer type
+        keys["rope_local_theta"] = float(params.get("sliding_attention", {}).get("rope_theta", 0.0))
+        params = params["full_attention"]
+    elif "rope_local_base_freq" in hf:
+        keys["rope_local_theta"] = float(hf["rope_local_base_freq"])
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys |= {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), "rope_scaling": "none"}
+    if kind == "llama3":
+        keys |= {"rope_scaling": kind, **{ours: params[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
+    elif kind == "linear":
+        keys |= {"rope_scaling": kind, "rope_factor": float(params["factor"])}
+    elif kind != "default":
+        raise ConfigError(
+            f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
+            "embedding, Llama 3's (`llama3`) and `linear`."
+        )
+    return keys
+
+
+def model_keys(hf: dict, where: str) -> dict:
+    """The `model.*` keys of podtrain's decoder for a transformers config (config.json), refusing
+    any field it does not compute, by name."""
+    hf = text_config(hf, where)
+    family = family_of(hf, where)
+    unknown = sorted(set(hf) - INERT - SHARED - family.fields - {family.activation[0]})
+    if unknown:
+        raise ConfigError(
+            f"{where}: config.json has {', '.join(unknown)}, which podtrain does not read for model_type "
+            f"{family.model_type}; it may change what the model computes, so the checkpoint is refused."
+        )
+    activation = (family.activation[1],)
+    accepted = {  # fields podtrain computes at these values only
+        family.activation[0]: activation,
+        "hidden_act": activation,
+        "attention_dropout": (0.0,),  # podtrain has no dropout
+        "resid_pdrop": (0.0,),
+        "embd_pdrop": (0.0,),
+        "mlp_bias": (False,),
+        "use_bidirectional_attention": (None, False),
+    }
+    for name, values in accepted.items():
+        if name in hf and hf[name] not in values:
+            raise ConfigError(
+                f"{where}: config.json has {name}={hf[name]!r}; podtrain computes {name}={values[0]!r} only, so this "
+                "checkpoint cannot be converted."
+            )
+    hf = {**family.defaults, **hf}
+    d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
+    read = {  # the free options, as config.json gives them
+        "attention_bias": "all" if hf.get("attention_bias") else "none",
+        "query_pre_attn_scalar": int(hf.get("query_pre_attn_scalar") or 0),
+        "attn_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
+        "final_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+    }
+    rope = _rope(hf, where)
+    in_rope = {option: rope.pop(option) for option in ("rope_local_theta", "rotary_fraction")}
+    read |= in_rope
+    for option, value in in_rope.items():  # rope_parameters may hold them for any family
+        if option not in family.free and value != DECODER_DEFAULTS[option]:
+            raise ConfigError(
+                f"{where}: config.json asks for {option}={value!r} (podtrain's model.{option}), which model_type "
+                f"{family.model_type} does not compute; refused."
+            )
+    keys = {
+        "name": "llama",
+        "hf_type": family.model_type,
+        "vocab_size": hf["vocab_size"],
+        "d_model": d_model,
+        "n_layers": hf["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "head_dim": hf.get("head_dim") or d_model // n_heads,
+        "d_ff": hf["intermediate_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "max_seq_len": hf.get("max_position_embeddings", 2048),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        **DECODER_DEFAULTS,
+        **family.options,
+        **{option: read[option] for option in family.free},
+        **rope,
+        **_windows(hf, family, hf["num_hidden_layers"]),
+    }
+    return keys
+
+
+def _misfits(family: HfFamily, model) -> list[str]:
+    """The options of podtrain's decoder config `model` that `family` has no place for."""
+    found = []
+    for option, default in DECODER_DEFAULTS.items():
+        value, allowed = getattr(model, option), family.free.get(option, ())
+        if option in family.free and (allowed is None or value in allowed):
+            continue
+        if value != family.options.get(option, default):
+            found.append(f"model.{option}={str(value).lower() if isinstance(value, bool) else value}")
+    if model.sliding_window and family.windows == "none":
+        found.append("a sliding window")
+    if model.sliding_window and family.windows == "all" and model.full_attention_layers:
+        found.append("sliding windows on some layers only")
+    return found
+
+
+def export_family(model) -> HfFamily:
+    """The family `model.hf_type` names, if it can hold the model's options; else a clear error."""
+    family = FAMILIES[model.hf_type]
+    if misfits := _misfits(family, model):
+        fits = [f.model_type for f in FAMILIES.values() if not _misfits(f, model)]
+        advice = f"set model.hf_type={' or '.join(fits)}" if fits else "no Hugging Face family computes this model"
+        raise ConfigError(
+            f"model_type {family.model_type} (model.hf_type) has no place for {', '.join(misfits)}; {advice}."
+        )
+    return family
+
+
+def hf_config(model, eos_id: int | None, dtype: str) -> dict:
+    """config.json of `model.hf_type` for podtrain's decoder config `model`; the rotary settings in
+    the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
+    family = export_family(model)
+    scaling = None
+    if model.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()},
+        }
+    elif model.rope_scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": model.rope_factor}
+    config = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.d_model,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads,
+        "head_dim": model.head_size,
+        "intermediate_size": model.d_ff,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": model.max_seq_len,
+        "tie_word_embeddings": model.tie_embeddings,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,  # a family's default may lie outside this vocabulary (Phi-3: 32000)
+        "torch_dtype": dtype,
+        family.activation[0]: family.activation[1],
+    }
+    if "attention_bias" in family.fields:
+        config["attention_bias"] = model.attention_bias == "all"
+    if "mlp_bias" in family.fields:
+        config["mlp_bias"] = False
+    if "query_pre_attn_scalar" in family.free:
+        config |= {
+            "query_pre_attn_scalar": model.query_pre_attn_scalar or model.head_size,
+            "attn_logit_softcapping": model.attn_softcap or None,
+            "final_logit_softcapping": model.final_softcap or None,
+        }
+    if "rope_local_theta" in family.free:
+        config["rope_local_base_freq"] = model.rope_local_theta or model.rope_theta
+    if "rotary_fraction" in family.free:
+        config["partial_rotary_factor"] = model.rotary_fraction
+    windows = model.layer_windows() or [0] * model.n_layers
+    types = ["sliding_attention" if w else "full_attention" for w in windows]
+    if family.windows == "all":
+        config["sliding_window"] = model.sliding_window or None
+    elif family.windows == "qwen":
+        config |= {
+            "use_sliding_window": model.sliding_window > 0,
+            "sliding_window": model.sliding_window or None,
+            "max_window_layers": model.n_layers,  # unread: layer_types says which layers slide
+            "layer_types": types,
+        }
+    elif family.windows == "pattern":
+        config |= {"sliding_window": model.sliding_window or None, "layer_types": types}
+    return config
+
+
+def shape_differences(keys: dict, model) -> list[str]:
+    """The structure keys in which an HF config's keys and a podtrain model config differ."""
+    return [
+        f"model.{k} ({keys[k]} there, {getattr(model, k)} here)"
+        for k in STRUCTURE_KEYS
+        if keys[k] != getattr(model, k) and not (k == "head_dim" and keys[k] == model.head_size)
+    ]
