@@ -149,6 +149,7 @@ def recipe(name):
     "name,reference",
     [
         ("llama_7b.yaml", 6_738_415_616),  # Llama-2-7B
+        ("sft_qwen3_0.6b.yaml", 596_049_920),  # Qwen3-0.6B
         ("mhc_3b.yaml", 3_036_658_098),  # Llama's 3B shape with 27 x 2 stream mixers
         ("hrm_sudoku.yaml", 27_275_266 + 512),  # the papers' counts, and the puzzle embedding they count apart
         ("trm_sudoku.yaml", 5_028_866 + 512),

@@ -77,7 +77,7 @@ FAMILIES = {
 def hf_model(folder, model_type, options, seed=0):
     """A random model of `model_type` saved as safetensors in `folder`, in float32, eager attention."""
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(model_type, **SIZES, **options)
+    config = transformers.AutoConfig.for_model(model_type, **{**SIZES, **options})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():  # norms start at one and biases at zero; random ones test their mapping
         for name, p in model.named_parameters():

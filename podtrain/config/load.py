@@ -307,10 +307,18 @@ def validate(cfg: Config) -> None:
             f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
             f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
         )
-    if data.pack == "documents" and attention in ("cudnn", "splash"):
+    packed_apart = (
+        "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
+    )
+    if packed_apart and attention in ("cudnn", "splash"):
         raise ConfigError(
-            f"data.pack=documents keeps attention inside documents with a mask, which model.attention={attention} "
+            f"{packed_apart} keeps attention inside documents with a mask, which model.attention={attention} "
             "does not take; use model.attention=xla (or auto)."
+        )
+    if data.format == "chat" and data.source != "text":
+        raise ConfigError(
+            f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
+            f"data.path=FILE_OR_DIR (not data.source={data.source})."
         )
     if getattr(cfg.model, "sliding_window", 0) and attention in ("cudnn", "splash"):
         raise ConfigError(
@@ -354,7 +362,8 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        if cfg.data.pack == "documents" or getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0):
+        packed_apart = cfg.data.pack == "documents" or cfg.data.format == "chat"
+        if packed_apart or getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0):
             fused = "xla"  # masks, windows and soft-caps: see validate
         m.attention = fused
     if getattr(m, "mlp_kernel", None) == "auto":

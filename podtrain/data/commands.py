@@ -25,7 +25,7 @@ def _corpus(args):
 
 def _tokenizer(args) -> None:
     documents = itertools.chain.from_iterable(corpus.documents() for corpus in _corpus(args))
-    tokenizer = fit_bpe(itertools.islice(documents, args.max_documents), args.vocab_size, args.out)
+    tokenizer = fit_bpe(itertools.islice(documents, args.max_documents), args.vocab_size, args.out, args.chat)
     print(
         f"[podtrain] wrote {args.out}/tokenizer.json: byte-level BPE, {tokenizer.vocab_size:,} tokens, EOS "
         f"{tokenizer.eos_id}"
@@ -113,6 +113,11 @@ def add_data_commands(sub) -> None:
         help="tokens in the vocabulary, including the 256 bytes and <|endoftext|>",
     )
     to.add_argument("--max-documents", type=int, help="fit on at most this many documents (the first ones)")
+    to.add_argument(
+        "--chat",
+        action="store_true",
+        help="add ChatML's <|im_start|> and <|im_end|> and its chat template (data.format=chat)",
+    )
     to.add_argument("--out", required=True, help="output folder")
     to.set_defaults(func=_tokenizer)
 

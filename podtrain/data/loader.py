@@ -86,7 +86,8 @@ class LocalRows:
 
     def __call__(self, batch: int) -> np.ndarray:
         ids = self.ids(batch)
-        return np.stack([self.windows[int(i)] for i in ids.ravel()]).reshape(*ids.shape, -1)
+        examples = np.stack([self.windows[int(i)] for i in ids.ravel()])
+        return examples.reshape(*ids.shape, *examples.shape[1:])
 
 
 class BatchReader:

@@ -23,6 +23,12 @@ from podtrain.errors import DataError
 BYTES = "bytes"
 EOS = "<|endoftext|>"  # the end-of-document token of fitted tokenizers (as GPT-2's and SmolLM's)
 EOS_NAMES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+# A fitted tokenizer's chat turns (`podtrain data tokenizer --chat`): ChatML, as Qwen2.5 and SmolLM2 write them.
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 VOCAB_MULTIPLE = 128  # `model.vocab_size=auto` rounds up to this, for even shards and fast matmuls
 
 
@@ -115,9 +121,9 @@ def keep_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
         return  # a run that trains with the tokenizer it keeps (one `convert` made)
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tokenizer.file, folder / "tokenizer.json")
-    config = tokenizer.file.parent / "tokenizer_config.json"
-    if config.is_file():
-        shutil.copyfile(config, folder / config.name)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer.file.parent / name).is_file():
+            shutil.copyfile(tokenizer.file.parent / name, folder / name)
 
 
 def vocab_for(tokenizer) -> int:
@@ -125,10 +131,10 @@ def vocab_for(tokenizer) -> int:
     return math.ceil(tokenizer.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTokenizer:
+def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path, chat: bool = False) -> HFTokenizer:
     """A byte-level BPE (GPT-2's scheme: every byte is a token, so any text encodes) fitted on
     `documents`, saved as OUT/tokenizer.json with a tokenizer_config.json that
-    `transformers.AutoTokenizer` reads."""
+    `transformers.AutoTokenizer` reads. With `chat`, ChatML's turn tokens and its chat template too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -140,8 +146,9 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTok
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    special = [EOS, *CHAT_TOKENS] if chat else [EOS]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=alphabet, show_progress=False
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=alphabet, show_progress=False
     )
     documents = iter(documents)
     first = next(documents, None)
@@ -158,5 +165,7 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path) -> HFTok
         "unk_token": EOS,
         "model_max_length": 1 << 20,
     }
+    if chat:
+        config["chat_template"] = CHATML
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     return HFTokenizer(str(out), out / "tokenizer.json")

@@ -110,7 +110,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
     start = int(jax.device_get(state["step"]))
     if rt.is_main:
         run.keep(cfg, task.tokenizer)
-    begin = f"resuming from step {start}" if start else "starting from scratch"
+    begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
     console.print(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, "
         f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"

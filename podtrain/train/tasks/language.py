@@ -7,10 +7,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from podtrain.config.schema import Config, TrainConfig, key
-from podtrain.data.loader import BatchReader, eval_windows, train_windows
+from podtrain.data import chat
+from podtrain.data.loader import BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
 from podtrain.sharding import batch_sharding
@@ -41,26 +43,30 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
-def chunked_cross_entropy(logits_fn, x_BTD: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+def chunked_cross_entropy(
+    logits_fn, x_BTD: jax.Array, targets: jax.Array, chunk: int, weights: jax.Array | None = None
+) -> jax.Array:
     """cross_entropy(logits_fn(x), targets), `chunk` positions at a time in a loop whose body is
     recomputed in the backward pass: only one chunk's float32 logits (batch, chunk, vocab) exist
-    at once, never the whole sequence's. A last, shorter chunk is padded and its padding not counted."""
+    at once, never the whole sequence's. A last, shorter chunk is padded and its padding not counted.
+    With `weights` (batch, seq), the weighted mean."""
     b, t, d = x_BTD.shape
     n = -(-t // chunk)
     pad = n * chunk - t
-    counted = jnp.arange(n * chunk) < t
+    w = jnp.ones((b, t), jnp.float32) if weights is None else weights.astype(jnp.float32)
     chunks = (  # (n, batch, chunk, ...): the loop runs over the first axis, the batch keeps its sharding
         jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1),
         jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1),
-        counted.reshape(n, 1, chunk),
+        jnp.pad(w, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1),
     )
 
     @jax.checkpoint
     def chunk_sum(xs):
-        x, target, keep = xs
-        return jnp.where(keep, token_losses(logits_fn(x), target), 0.0).sum()
+        x, target, w = xs
+        return (token_losses(logits_fn(x), target) * w).sum()
 
-    return jax.lax.map(chunk_sum, chunks).sum() / (b * t)
+    total = jax.lax.map(chunk_sum, chunks).sum()
+    return total / (b * t) if weights is None else total / jnp.maximum(w.sum(), 1)
 
 
 def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
@@ -76,14 +82,38 @@ def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = N
     model.loss_chunk, the logits are made and scored that many positions at a time."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     table, x = model.features(inputs, None if eos_id is None else document_ids(inputs, eos_id))
+    return scored(model, table, x, targets), (carry, {})
+
+
+def scored(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """The mean cross entropy of the model's logits of x against targets (weighted by `weights`),
+    in chunks of model.loss_chunk positions if set."""
     chunk = model.cfg.loss_chunk
-    if chunk and chunk < inputs.shape[1]:
-        return chunked_cross_entropy(lambda x: model.logits(table, x), x, targets, chunk), (carry, {})
-    return cross_entropy(model.logits(table, x), targets), (carry, {})
+    if chunk and chunk < x.shape[1]:
+        return chunked_cross_entropy(lambda x: model.logits(table, x), x, targets, chunk, weights)
+    if weights is None:
+        return cross_entropy(model.logits(table, x), targets)
+    w = weights.astype(jnp.float32)
+    return (token_losses(model.logits(table, x), targets) * w).sum() / jnp.maximum(w.sum(), 1)
+
+
+def chat_loss(model, carry, rows: jax.Array, key):
+    """The mean cross entropy of the assistant's tokens of packed conversations, rows (batch, 3,
+    seq + 1) as data/chat.py packs them: each token predicted from the earlier tokens of its own
+    conversation, which attends to nothing outside it."""
+    tokens, segments, trained = rows[:, chat.TOKENS], rows[:, chat.SEGMENTS], rows[:, chat.TRAINED]
+    weights = trained[:, 1:] * (segments[:, 1:] == segments[:, :-1])
+    table, x = model.features(tokens[:, :-1], segments[:, :-1])
+    return scored(model, table, x, tokens[:, 1:], weights), (carry, {})
 
 
 def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict:
     return {"val_loss": next_token_loss(model, None, tokens, None, eos_id)[0]}
+
+
+def chat_validation_loss(model, rows: jax.Array) -> dict:
+    """The held-out assistant tokens' loss."""
+    return {"val_loss": chat_loss(model, None, rows, None)[0]}
 
 
 class LanguageTask(Task):
@@ -95,11 +125,12 @@ class LanguageTask(Task):
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t = cfg.train
         self.cfg, self.positions = cfg, t.seq_len
+        row = (3, t.seq_len + 1) if cfg.data.format == "chat" else (t.seq_len + 1,)  # chat: tokens, segments, trained
         self.train_batch = jax.ShapeDtypeStruct(
-            (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
-            jnp.int32,
-            sharding=batch_sharding(mesh, leading=1),
+            (t.grad_accum, t.batch_size // t.grad_accum, *row), jnp.int32, sharding=batch_sharding(mesh, leading=1)
         )
+        if cfg.data.format == "chat":
+            self.loss_fn, self.eval_fn = chat_loss, chat_validation_loss
         if not data:  # shapes only: the document mask costs the same whichever id ends a document
             if cfg.data.pack == "documents":
                 self.loss_fn = partial(next_token_loss, eos_id=0)
@@ -111,6 +142,8 @@ class LanguageTask(Task):
                 f"The data holds token ids up to {largest} (tokenizer {self.tokenizer.spec}), out of range for "
                 f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size=auto or a number above {largest}."
             )
+        if cfg.data.format == "chat":
+            return self._read_chat(mesh)
         if cfg.data.pack == "documents":
             if self.tokenizer.eos_id is None:
                 raise ConfigError(
@@ -135,9 +168,40 @@ class LanguageTask(Task):
             axis=0,
         )
 
+    def _read_chat(self, mesh: Mesh) -> None:
+        """Packed rows of conversations (data/chat.py), shuffled each epoch; the held-out rows
+        padded with untrained rows to whole batches."""
+        t, data = self.cfg.train, self.cfg.data
+        train, val, summary = chat.chat_rows(data.path, self.tokenizer, t.seq_len + 1, data.val_fraction)
+        if len(train) < t.batch_size:
+            raise DataError(
+                f"The conversations fill {len(train)} rows of train.seq_len + 1 = {t.seq_len + 1} tokens, fewer than "
+                f"train.batch_size={t.batch_size}; use more conversations, a smaller train.batch_size or seq_len."
+            )
+        self.summary = f"{summary} ({self.tokenizer.spec}); an epoch is {len(train) // t.batch_size:,} steps"
+        self.batches = BatchReader(
+            shuffled(len(train), self.cfg.seed, train.__getitem__),
+            self.train_batch.sharding,
+            self.train_batch.shape,
+            axis=1,
+            epoch_size=len(train),
+        )
+        val = np.concatenate([val, np.zeros((-len(val) % t.batch_size, *val.shape[1:]), val.dtype)])
+        self.eval_batches = BatchReader(
+            in_order(len(val), t.batch_size, t.eval_batches, val.__getitem__),
+            batch_sharding(mesh),
+            (t.batch_size, *val.shape[1:]),
+            axis=0,
+        )
+        self.prompt = chat.Renderer(chat.chat_template(self.tokenizer), chat.special_tokens(self.tokenizer))
+
     def finish(self, fns, params) -> str | None:
-        """A sample of text, run on every process: the params span them all."""
+        """A sample of text, run on every process: the params span them all. For chat, the reply
+        to a greeting."""
         t = self.cfg.train
         if not t.sample_tokens:
             return None
+        if self.cfg.data.format == "chat":
+            prompt = self.prompt([{"role": "user", "content": "Hello! Who are you?"}], generation_prompt=True)
+            return prompt + sample(fns, params, self.tokenizer, prompt, t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
         return "The " + sample(fns, params, self.tokenizer, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)

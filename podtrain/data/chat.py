@@ -1,0 +1,170 @@
+"""Conversations for chat fine-tuning (`data.format=chat`): JSONL lines of {"messages": [{"role",
+"content"}, ...]}, rendered with the tokenizer's own chat template (its tokenizer_config.json), the
+assistant's replies marked for the loss, and packed into rows with segment ids, so that packed
+conversations never attend to each other.
+
+A packed row is (3, seq_len + 1) int32: TOKENS, SEGMENTS (1, 2, ... per conversation, 0 for
+padding) and TRAINED (1 where the token is part of an assistant reply, its end-of-turn marker
+included). Which characters are the assistant's comes from rendering each conversation up to a
+reply with and without it (as transformers' templates mean them to be used); the tokens whose
+first character lies in one are trained.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from podtrain.errors import DataError
+
+TOKENS, SEGMENTS, TRAINED = 0, 1, 2  # the channels of a packed row
+
+
+def chat_template(tokenizer) -> str:
+    """The tokenizer's chat template: tokenizer_config.json's `chat_template` (the default one of
+    a list), or a chat_template.jinja beside it."""
+    folder = Path(tokenizer.file).parent if getattr(tokenizer, "file", None) else None
+    config = folder / "tokenizer_config.json" if folder else None
+    template = json.loads(config.read_text()).get("chat_template") if config and config.is_file() else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and folder and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if not template:
+        raise DataError(
+            f"data.format=chat renders conversations with the tokenizer's chat template, and data.tokenizer="
+            f"{tokenizer.spec} has none (no chat_template in tokenizer_config.json, no chat_template.jinja); use "
+            "the tokenizer of an instruction-tuned model."
+        )
+    return template
+
+
+class Renderer:
+    """A chat template compiled as transformers runs it: a sandboxed Jinja environment with
+    trim_blocks, lstrip_blocks, loop controls, `raise_exception` and `strftime_now`."""
+
+    def __init__(self, template: str, special: dict[str, str]):
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise DataError(f"The chat template refused a conversation: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.now().strftime(f)}
+        self.template, self.special = env.from_string(template), special
+
+    def __call__(self, messages: list[dict], generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special)
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the (start, end) characters of each assistant reply in it:
+        its content, and the end-of-turn text the template writes after it where the whole
+        conversation has it too (a template may render earlier turns otherwise than the last)."""
+        text, spans, cursor = self(messages), [], 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            content = message["content"]
+            reply = self(messages[: i + 1])[len(self(messages[:i], generation_prompt=True)) :]
+            start = text.find(content, cursor)
+            if not content or start < 0 or content not in reply:
+                raise DataError(
+                    f"The chat template does not write assistant reply {i} ({content[:40]!r}) as it is; "
+                    "data.format=chat cannot tell which tokens to train."
+                )
+            end = start + len(content)
+            closing = reply[reply.index(content) + len(content) :]
+            if text.startswith(closing, end):
+                end += len(closing)
+            spans.append((start, end))
+            cursor = end
+        return text, spans
+
+
+def read_conversations(path: str) -> list[list[dict]]:
+    """The conversations of a JSONL file, or of every *.jsonl file in a folder, in order."""
+    files = sorted(Path(path).glob("*.jsonl")) if Path(path).is_dir() else [Path(path)]
+    if not files or not files[0].is_file():
+        raise DataError(f"data.path={path} is not a JSONL file of conversations or a folder of them.")
+    conversations = []
+    for file in files:
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise DataError(
+                    f"{file}:{number} is not a conversation: each line of a chat file is "
+                    '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.'
+                ) from None
+            conversations.append(messages)
+    return conversations
+
+
+def encode(tokenizer, renderer: Renderer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """A conversation's tokens and which of them are trained (the assistant's)."""
+    text, spans = renderer.assistant_spans(messages)
+    encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+    trained = np.zeros(len(starts), bool)
+    for start, end in spans:
+        trained |= (starts >= start) & (starts < end)
+    return np.asarray(encoding.ids, np.int32), trained
+
+
+def pack(examples: list[tuple[np.ndarray, np.ndarray]], length: int, pad_id: int) -> tuple[np.ndarray, int]:
+    """Conversations packed in order into rows of `length` tokens, a conversation starting a new row
+    when it does not fit the current one: (rows (n, 3, length), conversations cut to `length`)."""
+    rows, row, used, cut = [], None, length, 0
+    for tokens, trained in examples:
+        if len(tokens) > length:
+            tokens, trained, cut = tokens[:length], trained[:length], cut + 1
+        if used + len(tokens) > length:
+            row, used = np.zeros((3, length), np.int32), 0
+            row[TOKENS] = pad_id
+            rows.append(row)
+        segment = row[SEGMENTS, :used].max(initial=0) + 1
+        row[TOKENS, used : used + len(tokens)] = tokens
+        row[SEGMENTS, used : used + len(tokens)] = segment
+        row[TRAINED, used : used + len(tokens)] = trained
+        used += len(tokens)
+    return np.stack(rows) if rows else np.zeros((0, 3, length), np.int32), cut
+
+
+def special_tokens(tokenizer) -> dict[str, str]:
+    """The special tokens a template may name (bos_token, eos_token, ...), from tokenizer_config.json."""
+    config = Path(tokenizer.file).parent / "tokenizer_config.json"
+    values = json.loads(config.read_text()) if config.is_file() else {}
+    found = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = values.get(name)
+        found[name] = value.get("content") if isinstance(value, dict) else (value or "")
+    return found
+
+
+def chat_rows(path: str, tokenizer, length: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train rows, validation rows, a summary line) of the conversations at `path`; the last
+    val_fraction of them (at least one) are held out."""
+    renderer = Renderer(chat_template(tokenizer), special_tokens(tokenizer))
+    conversations = read_conversations(path)
+    if len(conversations) < 2:
+        raise DataError(f"data.path={path} holds {len(conversations)} conversations; training and validation need 2.")
+    examples = [encode(tokenizer, renderer, messages) for messages in conversations]
+    n_val = max(1, int(len(examples) * val_fraction))
+    pad = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+    (train, cut), (val, val_cut) = pack(examples[:-n_val], length, pad), pack(examples[-n_val:], length, pad)
+    trained = sum(int(t.sum()) for _, t in examples)
+    summary = (
+        f"{len(conversations) - n_val:,} train / {n_val:,} val conversations in {len(train):,} / {len(val):,} rows, "
+        f"{trained:,} assistant tokens trained"
+        + (f"; {cut + val_cut} conversations cut to train.seq_len + 1 = {length} tokens" if cut + val_cut else "")
+    )
+    return train, val, summary
