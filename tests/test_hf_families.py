@@ -39,9 +39,14 @@ FAMILIES = {
     "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3": (
         "qwen3",
-        {"head_dim": 24, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+        {
+            "head_dim": 24,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
     ),
-    "qwen3-untied-biases": ("qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
     # fused qkv and gate_up weights, a quarter of each head rotated, a window on every layer
     "phi3": ("phi3", {"partial_rotary_factor": 0.25, "sliding_window": 8, "tie_word_embeddings": False}),
     # soft-caps low enough that tanh bends the scores and logits; layer 0 slides (even layers)

@@ -320,10 +320,10 @@ def validate(cfg: Config) -> None:
             f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
             f"data.path=FILE_OR_DIR (not data.source={data.source})."
         )
-    if getattr(cfg.model, "sliding_window", 0) and attention in ("cudnn", "splash"):
+    if getattr(cfg.model, "sliding_window", 0) and attention == "cudnn":
         raise ConfigError(
             f"model.sliding_window={cfg.model.sliding_window} masks each layer by its own window, which "
-            f"model.attention={attention} does not take yet; use model.attention=xla (or auto)."
+            "model.attention=cudnn does not take yet; use model.attention=xla (or auto)."
         )
     if getattr(cfg.model, "attn_softcap", 0) and attention == "cudnn":
         raise ConfigError(
@@ -362,9 +362,10 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        packed_apart = cfg.data.pack == "documents" or cfg.data.format == "chat"
-        if packed_apart or getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0):
-            fused = "xla"  # masks, windows and soft-caps: see validate
+        if fused == "cudnn" and (getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0)):
+            fused = "xla"  # windows and soft-caps: see validate
+        if cfg.data.pack == "documents" or cfg.data.format == "chat":
+            fused = "xla"  # a mask per row
         m.attention = fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"

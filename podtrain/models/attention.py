@@ -119,9 +119,11 @@ def splash_attention(
     interpret: bool = False,
     scale: float | None = None,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> jax.Array:
     """softmax(q k^T * scale) v (scale 1/sqrt(head_dim) unless given; scores soft-capped by
-    `softcap` when set) by the Pallas splash-attention kernel for TPU: scores
+    `softcap` when set; causal queries see only the `window` latest keys when set) by the Pallas
+    splash-attention kernel for TPU, whose blocks outside the mask are skipped: scores
     live in VMEM block by block, never as a (seq, seq) array in HBM, forward and backward. Each
     device runs it on its shard (batch over data x fsdp, heads over tensor); a k/v head is
     repeated for its query heads. `interpret` runs the kernel on any backend (tests)."""
@@ -135,7 +137,10 @@ def splash_attention(
     def local(q, k, v):  # this device's (batch, seq, heads, head_dim), as (batch, heads, seq, head_dim)
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
         t, heads = q.shape[2], q.shape[1]
-        mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
+        if window:
+            mask = masks.LocalMask((t, t), window_size=(window - 1, 0 if causal else window - 1), offset=0)
+        else:
+            mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
         kernel = splash.make_splash_mha(
             masks.MultiHeadMask([mask] * heads),
             head_shards=1,
@@ -212,6 +217,7 @@ class Attention(nnx.Module):
         norm_plus_one: bool = False,
         scale: float | None = None,
         softcap: float = 0.0,
+        windows: tuple[int, ...] = (),
     ):
         head_dim = head_dim or d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
@@ -229,6 +235,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(head_dim, norm_eps, axis="head_dim", plus_one=norm_plus_one)
         self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
         self.scale, self.softcap = scale or head_dim**-0.5, softcap
+        self.windows = windows  # the layers' distinct sliding windows (0: none), for kernels that need them static
         self.implementation = None if implementation == "auto" else implementation
         self.causal = causal
 
@@ -265,6 +272,17 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
+    def splash(self, q, k, v, window) -> jax.Array:
+        """The splash kernel with this layer's window: its mask is static, so a stack whose layers
+        differ in window runs the kernel of each (lax.switch on the layer's own)."""
+        kernels = [
+            partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w)
+            for w in (self.windows if window is not None else (0,))
+        ]
+        if len(kernels) == 1:
+            return kernels[0](q, k, v)
+        return jax.lax.switch(jnp.argmax(jnp.asarray(self.windows) == window), kernels, q, k, v)
+
     def output(self, out_BTNH: jax.Array) -> jax.Array:
         out = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype))
         return constrain(out + self.bo[...].astype(self.dtype)[None, None] if self.bias == "all" else out, ACT)
@@ -280,7 +298,7 @@ class Attention(nnx.Module):
             near = window_mask(positions, positions, window)
             mask = near if mask is None else mask & near
         if self.implementation == "splash":
-            out = splash_attention(q, k, v, self.causal, scale=self.scale, softcap=self.softcap)
+            out = self.splash(q, k, v, window)
         elif self.implementation == "cudnn_estimate":
             out = fused_attention_stand_in(q, k, v, self.causal)
         elif self.implementation == "cudnn":
