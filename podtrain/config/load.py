@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -187,7 +188,13 @@ def _field_type(defaults: Config, name: str):
     node = defaults
     for section in sections:
         node = getattr(node, section, None)
-    return typing.get_type_hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
+    return _hints(type(node)).get(last) if dataclasses.is_dataclass(node) else None
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    """A dataclass's annotations, evaluated once: typing.get_type_hints re-reads them on every call."""
+    return typing.get_type_hints(cls)
 
 
 def flatten(node: dict, prefix: str = "") -> dict:
@@ -267,8 +274,9 @@ def check_structure(data: dict, where: str) -> None:
         for item_key, item in value.items() if section else [(None, value)]:
             full = f"{name}.{item_key}" if item_key is not None else str(name)
             # the family is not known yet: a key that is a list in any family may hold one
-            is_list = any(_is_list(default_config(family), full) for family in MODELS)
-            if isinstance(item, dict) or (isinstance(item, list) and not is_list):
+            if isinstance(item, dict) or (
+                isinstance(item, list) and not any(_is_list(default_config(family), full) for family in MODELS)
+            ):
                 raise ConfigError(
                     f"Config key `{full}` in {where} must be a single value (a number, string or boolean), "
                     f"not `{item!r}`."
