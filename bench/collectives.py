@@ -20,7 +20,8 @@ import argparse  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-from podtrain.config.load import load_config, resolve_auto  # noqa: E402
+from podtrain.config.checks import resolve_auto  # noqa: E402
+from podtrain.config.load import load_config  # noqa: E402
 from podtrain.planning.hlo import KINDS, collectives, summary  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
 from podtrain.train.job import build, compile_step  # noqa: E402

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from podtrain.config.load import load_config, resolve_auto
+from podtrain.config.checks import resolve_auto
+from podtrain.config.load import load_config
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe

@@ -115,7 +115,8 @@ def naive_load(folder: str) -> None:
     import jax
     import numpy as np
     from podtrain import runtime
-    from podtrain.config.load import load_config, resolve_auto
+    from podtrain.config.checks import resolve_auto
+    from podtrain.config.load import load_config
     from podtrain.interop.hf.checkpoint import _names
     from podtrain.interop.hf.config_json import model_keys
     from podtrain.interop.hf.families import LLAMA_TENSORS

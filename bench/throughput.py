@@ -34,7 +34,8 @@ import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
-from podtrain.config.load import load_config, resolve_auto
+from podtrain.config.checks import resolve_auto
+from podtrain.config.load import load_config
 from podtrain.runtime.chips import peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 from podtrain.cli import _parse, parser
-from podtrain.config.load import default_config, load_config, mesh_from_env, resolve_auto
+from podtrain.config.checks import resolve_auto
+from podtrain.config.load import default_config, load_config, mesh_from_env
 from podtrain.config.saved import save_config
 from podtrain.config.schema import MeshConfig
 from podtrain.errors import ConfigError, MeshError

@@ -12,7 +12,8 @@ import math
 import jax
 import numpy as np
 import pytest
-from podtrain.config.load import load_config, resolve_auto
+from podtrain.config.checks import resolve_auto
+from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 

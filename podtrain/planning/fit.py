@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import jax
 
-from podtrain.config.load import validate
+from podtrain.config.checks import validate
 from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
 from podtrain.runtime.chips import GiB, device_memory

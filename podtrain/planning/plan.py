@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from podtrain.config.load import resolve_auto
+from podtrain.config.checks import resolve_auto
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
 from podtrain.planning import cost, fit, hlo

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from podtrain import runtime
-from podtrain.config.load import resolve_auto
+from podtrain.config.checks import resolve_auto
 from podtrain.config.saved import run_config, save_config
 from podtrain.config.schema import Config, MeshConfig
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer

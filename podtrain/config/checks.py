@@ -1,0 +1,114 @@
+"""Checks of a loaded config that need more than a type (ranges, relations between values), and
+the `auto` values a platform resolves. `load.py` runs `validate` on every config it loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from podtrain.config.schema import Config, ranges
+from podtrain.errors import ConfigError
+from podtrain.models.attention import SPLASH_BLOCK
+
+DATA_FOLDERS = {  # what data.path must name for each source that reads one
+    "text": "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)",
+    "tokens": "DIR, a folder made by `podtrain data prepare --out DIR`",
+    "sudoku": "DIR, a folder built by `podtrain data sudoku --out DIR`",
+}
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than a type: ranges and relations between values."""
+    for name, valid, value in ranges(cfg):
+        if value not in valid:
+            raise ConfigError(
+                f"Config key `{name}` is {value!r}, outside its valid values: {valid}, finite. "
+                "Give a value in that range; docs/configuration.md lists each key's."
+            )
+    cfg.model.validate()
+    t, data, attention = cfg.train, cfg.data, cfg.model.attention
+    if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len."
+        )
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+            "each microbatch must have the same size."
+        )
+    if data.source in DATA_FOLDERS and not data.path:
+        raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
+    if data.source == "pydoc" and data.path:
+        raise ConfigError(
+            f"data.path={data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens "
+            "(shards from `podtrain data prepare`) or text (a local corpus)."
+        )
+    if attention == "splash" and getattr(t, "seq_len", 1) % SPLASH_BLOCK:
+        raise ConfigError(
+            f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
+            f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
+        )
+    packed_apart = (
+        "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
+    )
+    if packed_apart and attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"{packed_apart} keeps attention inside documents with a mask, which model.attention={attention} "
+            "does not take; use model.attention=xla (or auto)."
+        )
+    if data.format == "chat" and data.source != "text":
+        raise ConfigError(
+            f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
+            f"data.path=FILE_OR_DIR (not data.source={data.source})."
+        )
+    if getattr(cfg.model, "sliding_window", 0) and attention == "cudnn":
+        raise ConfigError(
+            f"model.sliding_window={cfg.model.sliding_window} masks each layer by its own window, which "
+            "model.attention=cudnn does not take yet; use model.attention=xla (or auto)."
+        )
+    if getattr(cfg.model, "attn_softcap", 0) and attention == "cudnn":
+        raise ConfigError(
+            f"model.attn_softcap={cfg.model.attn_softcap} bounds the attention scores, which cuDNN's fused "
+            "attention does not; use model.attention=xla (or auto)."
+        )
+    profile = t.profile_steps
+    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
+        raise ConfigError(
+            f"train.profile_steps={profile} is not [START, END] with 1 <= START <= END; e.g. "
+            "train.profile_steps=[10,12] traces steps 10 to 12."
+        )
+    if "wandb" in cfg.log.to and not _installed("wandb"):
+        raise ConfigError(
+            "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
+            "or leave wandb out of log.to."
+        )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec: blocked, as a test does to stand for its absence
+        return False
+
+
+def resolve_auto(cfg: Config, platform: str) -> Config:
+    """Replace the `auto` precision and attention settings by what suits the platform."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    m = cfg.model
+    if m.compute_dtype == "auto":
+        m.compute_dtype = "float32" if platform == "cpu" else "bfloat16"
+    if m.attention == "auto":
+        # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
+        head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
+        cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
+        splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
+        fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
+        if fused == "cudnn" and (getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0)):
+            fused = "xla"  # windows and soft-caps: see validate
+        if cfg.data.pack == "documents" or cfg.data.format == "chat":
+            fused = "xla"  # a mask per row
+        m.attention = fused
+    if getattr(m, "mlp_kernel", None) == "auto":
+        m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
+    return cfg
