@@ -200,6 +200,7 @@ FAMILIES = {
 # these prefixes; the vision tower and projector beside it are not imported.
 MULTIMODAL = {
     "gemma3": {
+        "text_type": "gemma3_text",  # its text_config's model_type, which older files leave out
         "prefixes": {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
         "elsewhere": ("vision_tower.", "multi_modal_projector."),
         "fields": {"text_config", "vision_config", "boi_token_index", "eoi_token_index", "image_token_index"}
@@ -215,7 +216,7 @@ def text_config(hf: dict, where: str) -> dict:
     unknown = sorted(set(hf) - INERT - MULTIMODAL[hf["model_type"]]["fields"])
     if unknown:
         raise ConfigError(f"{where}: config.json has {', '.join(unknown)}, which podtrain does not read; refused.")
-    text = hf["text_config"]
+    text = {"model_type": MULTIMODAL[hf["model_type"]]["text_type"], **hf["text_config"]}
     if hf.get("tie_word_embeddings", text.get("tie_word_embeddings")) != text.get("tie_word_embeddings"):
         raise ConfigError(f"{where}: config.json ties the embeddings otherwise than its text_config; refused.")
     return text
