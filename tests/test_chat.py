@@ -57,7 +57,7 @@ def test_conversations_render_as_transformers_renders_them(tokenizer, tmp_path, 
     transformers = pytest.importorskip("transformers")
     ours = tokenizer if template == "chatml" else with_template(tokenizer, HEADERS, tmp_path)
     theirs = transformers.PreTrainedTokenizerFast.from_pretrained(str(ours.file.parent))
-    renderer = chat.Renderer(chat.chat_template(ours), chat.special_tokens(ours))
+    renderer = chat.Renderer.of(ours)
     for messages in CONVERSATIONS:
         for prompt in (False, True):
             assert renderer(messages, prompt) == theirs.apply_chat_template(
@@ -71,7 +71,7 @@ def test_conversations_render_as_transformers_renders_them(tokenizer, tmp_path, 
 @pytest.mark.parametrize("template", ["chatml", "headers"])
 def test_the_loss_mask_covers_exactly_the_assistants_tokens(tokenizer, tmp_path, template):
     ours = tokenizer if template == "chatml" else with_template(tokenizer, HEADERS, tmp_path)
-    renderer = chat.Renderer(chat.chat_template(ours), chat.special_tokens(ours))
+    renderer = chat.Renderer.of(ours)
     tokens, trained = chat.encode(ours, renderer, CONVERSATIONS[0])
     closing = "<|im_end|>\n" if template == "chatml" else "<|im_end|>"
     assert ours.decode(tokens[trained]) == f"2 + 3 = 5.{closing}4 + 4 = 8.{closing}"
@@ -81,7 +81,7 @@ def test_the_loss_mask_covers_exactly_the_assistants_tokens(tokenizer, tmp_path,
 def test_packed_conversations_score_as_each_alone(tokenizer, small_overrides):
     """Two conversations packed in one row: each token's loss is the one it has alone (segment
     ids keep them apart), and the row's loss is the mean over both conversations' assistant tokens."""
-    renderer = chat.Renderer(chat.chat_template(tokenizer), chat.special_tokens(tokenizer))
+    renderer = chat.Renderer.of(tokenizer)
     examples = [chat.encode(tokenizer, renderer, c) for c in CONVERSATIONS[:2]]
     length = sum(len(t) for t, _ in examples) + 5  # both fit one row, with padding after them
     packed, cut = chat.pack(examples, length, pad_id=0)

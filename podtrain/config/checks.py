@@ -62,15 +62,10 @@ def validate(cfg: Config) -> None:
             f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
             f"data.path=FILE_OR_DIR (not data.source={data.source})."
         )
-    if getattr(cfg.model, "sliding_window", 0) and attention == "cudnn":
+    if attention == "cudnn" and (lacking := cudnn_lacks(cfg.model)):
         raise ConfigError(
-            f"model.sliding_window={cfg.model.sliding_window} masks each layer by its own window, which "
-            "model.attention=cudnn does not take yet; use model.attention=xla (or auto)."
-        )
-    if getattr(cfg.model, "attn_softcap", 0) and attention == "cudnn":
-        raise ConfigError(
-            f"model.attn_softcap={cfg.model.attn_softcap} bounds the attention scores, which cuDNN's fused "
-            "attention does not; use model.attention=xla (or auto)."
+            f"{' and '.join(lacking)}: cuDNN's fused attention takes no sliding window or soft-cap; use "
+            "model.attention=xla (or auto)."
         )
     profile = t.profile_steps
     if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
@@ -83,6 +78,11 @@ def validate(cfg: Config) -> None:
             "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
             "or leave wandb out of log.to."
         )
+
+
+def cudnn_lacks(model) -> list[str]:
+    """The options of a model that cuDNN's fused attention does not compute (as key=value)."""
+    return [f"model.{k}={getattr(model, k)}" for k in ("sliding_window", "attn_softcap") if getattr(model, k, 0)]
 
 
 def _installed(module: str) -> bool:
@@ -104,8 +104,8 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        if fused == "cudnn" and (getattr(m, "sliding_window", 0) or getattr(m, "attn_softcap", 0)):
-            fused = "xla"  # windows and soft-caps: see validate
+        if fused == "cudnn" and cudnn_lacks(m):
+            fused = "xla"
         if cfg.data.pack == "documents" or cfg.data.format == "chat":
             fused = "xla"  # a mask per row
         m.attention = fused

@@ -58,6 +58,11 @@ class Renderer:
         env.globals |= {"raise_exception": raise_exception, "strftime_now": lambda f: datetime.now().strftime(f)}
         self.template, self.special = env.from_string(template), special
 
+    @classmethod
+    def of(cls, tokenizer) -> Renderer:
+        """The tokenizer's own chat template, with its special tokens."""
+        return cls(chat_template(tokenizer), special_tokens(tokenizer))
+
     def __call__(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special)
 
@@ -153,7 +158,7 @@ def special_tokens(tokenizer) -> dict[str, str]:
 def chat_rows(path: str, tokenizer, length: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
     """(train rows, validation rows, a summary line) of the conversations at `path`; the last
     val_fraction of them (at least one) are held out."""
-    renderer = Renderer(chat_template(tokenizer), special_tokens(tokenizer))
+    renderer = Renderer.of(tokenizer)
     conversations = read_conversations(path)
     if len(conversations) < 2:
         raise DataError(f"data.path={path} holds {len(conversations)} conversations; training and validation need 2.")

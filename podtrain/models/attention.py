@@ -248,10 +248,9 @@ class Attention(nnx.Module):
         d, n_heads, head_dim = w["wq"].shape
         n_kv, kv_axes = w["wk"].shape[1], KV_HEADS
         if share_kv and n_kv % shards("act_heads", n_heads):
-            kv = {
-                name: w[name] for name in ("wk", "wv", "bk", "bv") if name in w
-            }  # heads: axis 1 of a weight, 0 of a bias
-            w |= {name: jnp.repeat(x, n_heads // n_kv, axis=1 if name[0] == "w" else 0) for name, x in kv.items()}
+            for name in ("wk", "wv", "bk", "bv"):
+                if name in w:  # heads: axis 1 of a weight, 0 of a bias
+                    w[name] = jnp.repeat(w[name], n_heads // n_kv, axis=1 if name[0] == "w" else 0)
             n_kv, kv_axes = n_heads, HEADS
         group = n_heads // n_kv
 
@@ -293,10 +292,6 @@ class Attention(nnx.Module):
         Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
         tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        if window is not None:
-            positions = jnp.arange(x_BTD.shape[1])
-            near = window_mask(positions, positions, window)
-            mask = near if mask is None else mask & near
         if self.implementation == "splash":
             out = self.splash(q, k, v, window)
         elif self.implementation == "cudnn_estimate":
@@ -306,6 +301,10 @@ class Attention(nnx.Module):
                 q, k, v, mask=mask, scale=self.scale, is_causal=self.causal, implementation="cudnn"
             )
         else:
+            if window is not None:
+                positions = jnp.arange(x_BTD.shape[1])
+                near = window_mask(positions, positions, window)
+                mask = near if mask is None else mask & near
             out = grouped_attention(q, k, v, mask, self.causal, self.scale, self.softcap)
         return self.output(constrain(out, HEADS))
 

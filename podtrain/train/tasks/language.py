@@ -193,7 +193,7 @@ class LanguageTask(Task):
             (t.batch_size, *val.shape[1:]),
             axis=0,
         )
-        self.prompt = chat.Renderer(chat.chat_template(self.tokenizer), chat.special_tokens(self.tokenizer))
+        self.prompt = chat.Renderer.of(self.tokenizer)
 
     def finish(self, fns, params) -> str | None:
         """A sample of text, run on every process: the params span them all. For chat, the reply
