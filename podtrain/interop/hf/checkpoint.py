@@ -135,11 +135,9 @@ def _rows(table: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[in
     spans = {}
     for name in {entry[0] for entry in table.values() if len(entry) > 2}:
         parts = sorted((table[p][2], p) for p in shapes if table[p][0] == name)
-        ends = np.cumsum([_hf_shape(shapes[p], table[p][1])[0] for _, p in parts])
-        spans |= {
-            p: (int(end - _hf_shape(shapes[p], table[p][1])[0]), int(end), int(ends[-1]))
-            for (_, p), end in zip(parts, ends)
-        }
+        rows = [_hf_shape(shapes[p], table[p][1])[0] for _, p in parts]
+        ends = np.cumsum(rows)
+        spans |= {p: (int(end - n), int(end), int(ends[-1])) for (_, p), n, end in zip(parts, rows, ends)}
     return spans
 
 
