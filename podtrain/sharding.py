@@ -1,4 +1,4 @@
-"""How arrays are laid out on the mesh `data x fsdp x tensor`: one table from logical axis names
+"""How arrays are laid out on the mesh `data x fsdp x context x tensor`: one table from logical axis names
 to mesh axes, and the few functions that apply it.
 
 Parameters and activations both name logical axes; `RULES` alone decides what each mesh axis
@@ -16,9 +16,10 @@ import functools
 import math
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")  # the last varies fastest: tensor on the nearest devices
 
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
@@ -32,10 +33,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients
-    # Activations: the batch over data x fsdp, features over tensor only; fsdp never splits a
-    # feature, so it moves weights, not activations.
+    # Activations: the batch over data x fsdp, the sequence over context, features over tensor
+    # only; fsdp never splits a feature, so it moves weights, not activations. No weight is split
+    # over context: its gradients are reduced over it as over data.
     "act_batch": ("data", "fsdp"),
-    "act_seq": (),
+    "act_seq": ("context",),
     "act_embed": (),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
@@ -140,6 +142,39 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
         return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
 
     return run
+
+
+def _split_over(name: str) -> tuple[str, ...]:
+    """The mesh axes of more than one device that the rules give logical axis `name`."""
+    mesh = _TRACING_MESH.get()
+    return () if mesh is None else tuple(a for a in RULES[name] if mesh.shape[a] > 1)
+
+
+def shards_along(name: str) -> int:
+    """Inside `per_shard`: how many shards logical axis `name` was split into."""
+    over = _split_over(name)
+    return math.prod(_TRACING_MESH.get().shape[a] for a in over) if over else 1
+
+
+def gather(x: jax.Array, name: str, axis: int) -> jax.Array:
+    """Inside `per_shard`: every device's shard of x along logical axis `name`, joined on `axis`
+    in shard order (an all-gather over that name's mesh axes)."""
+    over = _split_over(name)
+    return jax.lax.all_gather(x, over, axis=axis, tiled=True) if over else x
+
+
+def pass_on(x, name: str):
+    """Inside `per_shard`: x (a tree) from the shard before this one along logical axis `name`,
+    the first shard getting the last's (one step of a ring over that name's mesh axes)."""
+    over, n = _split_over(name), shards_along(name)
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, over, [(i, (i + 1) % n) for i in range(n)]), x)
+
+
+def balanced_order(t: int, n: int) -> np.ndarray:
+    """An order of t positions for n shards of a causal sequence that gives each shard equal work:
+    cut into 2n chunks, shard i holds chunk i and chunk 2n-1-i (n=2: 0 1 2 3 -> 0 3 1 2)."""
+    chunks = np.arange(t).reshape(2 * n, t // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
 def shards(name: str, size: int) -> int:

@@ -55,7 +55,7 @@ def test_max_bad_steps_in_a_row_stop_with_only_finite_checkpoints(small_override
     assert "The checkpoint of step 2" in err
     assert [r["skipped"] for r in read_metrics(run) if "loss" in r] == [1.0, 1.0]
     cfg = load_config(None, args)
-    fns = model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+    fns = model_fns(cfg, build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
     checkpointer = Checkpointer(run / "checkpoints")
     saved = checkpointer.restore({"params": fns.abstract_params})["params"]
     checkpointer.close()

@@ -136,7 +136,7 @@ def test_packing_puts_every_token_in_an_epoch_once(corpus):
     )  # reshuffled
 
 
-def test_document_mask_keeps_attention_inside_documents():
+def test_segment_ids_keep_attention_inside_documents():
     from flax import nnx
     from podtrain.config.load import load_config
     from podtrain.models import build_model
@@ -152,6 +152,34 @@ def test_document_mask_keeps_attention_inside_documents():
         np.testing.assert_allclose(a[0, :1], b[0, :1])  # before the change: causal
         assert not np.allclose(a[0, 1:4], b[0, 1:4])  # the changed document sees it
         assert (not np.allclose(a[0, 4:], b[0, 4:])) == second_document_moves
+
+
+@pytest.mark.parametrize("reset_positions", [True, False])
+def test_a_packed_windows_loss_is_its_documents_losses_run_alone(reset_positions):
+    """Three documents packed in one window: each document's next-token losses equal those of the
+    document run alone, at positions from 0 (data.reset_positions) or from its place in the window."""
+    from flax import nnx
+    from podtrain.config.load import load_config
+    from podtrain.models import build_model
+    from podtrain.train.tasks.language import document_positions, token_losses
+
+    eos = 0
+    docs = [[5, 6, 7, 3, eos], [8, 9, 4, 2, 11, 12, eos], [10, 13, 14, 6]]
+    window = jnp.asarray([sum(docs, [])])
+    cfg = load_config(None, [*SMALL, "model.vocab_size=16", "model.rope_theta=50"])
+    model = build_model(cfg.model, nnx.Rngs(0))
+    segments = document_ids(window, eos)
+    np.testing.assert_array_equal(document_positions(segments)[0], [*range(5), *range(7), *range(4)])
+    inputs, targets = window[:, :-1], window[:, 1:]
+    positions = document_positions(segments[:, :-1]) if reset_positions else None
+    losses = token_losses(model(inputs, segments[:, :-1], positions), targets)[0]
+    start = 0
+    for doc in docs:
+        doc = jnp.asarray([doc])
+        positions = jnp.arange(doc.shape[1] - 1)[None] + (0 if reset_positions else start)
+        alone = token_losses(model(doc[:, :-1], positions=positions), doc[:, 1:])[0]
+        np.testing.assert_allclose(losses[start : start + len(alone)], alone, rtol=1e-5, atol=1e-5)
+        start += doc.shape[1]
 
 
 def test_train_on_prepared_tokens_with_auto_vocab(corpus, tmp_path):

@@ -18,7 +18,7 @@ from podtrain.train.tasks.sampling import sample
 def expected_sample(checkpoints, prompt, n, seed):
     """The text `n` new tokens sampled at temperature 0.8 from the latest checkpoint in `checkpoints`."""
     cfg = load_config(checkpoints.parent / "config.yaml")
-    fns = model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+    fns = model_fns(cfg, build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
     checkpointer = Checkpointer(checkpoints)
     params = checkpointer.restore({"params": fns.abstract_params})["params"]
     checkpointer.close()

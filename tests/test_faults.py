@@ -226,7 +226,7 @@ def test_checksums_are_their_definition_on_any_sharding(shape):
     bits = x.reshape(-1).view(np.uint32).astype(np.uint64)
     index = np.arange(bits.size, dtype=np.uint64)
     expected = [int(bits.sum() % 2**32), int((bits * (2 * index + 1) % 2**32).sum() % 2**32)]
-    mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
+    mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
     spec = PartitionSpec(*("data", "fsdp", "tensor", None)[: len(shape)])
     sharded = jax.device_put(x, NamedSharding(mesh, spec))
     assert (

@@ -57,7 +57,7 @@ def test_kernel_equals_xla(shape, d_ff, axes):
 def test_kernel_on_each_device_equals_one_device():
     """On a data x fsdp mesh each device runs the kernel on its rows; the weights' gradients are
     summed over the devices by the partitioner, as for the XLA path."""
-    mesh = build_mesh(MeshConfig(2, 2, 1), jax.devices()[:4])
+    mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=1), jax.devices()[:4])
     x, w_in, w_down, cotangent = _inputs((8, 40, 64), 256)
 
     def grads(x, w_in, w_down, cotangent):

@@ -35,8 +35,16 @@ SIZES = {
 FAMILIES = {
     "llama-biases": ("llama", {"attention_bias": True, "tie_word_embeddings": False}),
     "mistral": ("mistral", {"sliding_window": 8, "head_dim": 24, "tie_word_embeddings": False}),
-    # layer 0 attends to everything, layer 1 slides (max_window_layers)
-    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    # layer 0 attends to everything, layer 1 slides (max_window_layers); YaRN from a context of 16
+    "qwen2": (
+        "qwen2",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        },
+    ),
     "qwen3": (
         "qwen3",
         {
@@ -147,6 +155,45 @@ def test_config_fields_left_out_take_transformers_defaults():
     assert (gemma3["rope_theta"], gemma3["rope_local_theta"]) == (1e6, 1e4)
     assert model_keys({"model_type": "mistral", "num_hidden_layers": 2, **sizes}, "here")["sliding_window"] == 4096
     assert model_keys({"model_type": "qwen3", "num_hidden_layers": 2, **sizes}, "here")["head_dim"] == 128
+
+
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 3.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    "yarn-untruncated": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    "yarn-deepseek": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707},
+}
+
+
+@pytest.mark.parametrize("scaling", ROPE_SCALINGS)
+def test_rope_scaling_equals_transformers_frequencies(scaling):
+    """cos and sin at positions up to 4096 from config.json's rope parameters, read as podtrain's
+    keys, against transformers' own inverse frequencies and attention factor for that rope type."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from podtrain.config.load import load_config
+    from podtrain.interop.hf.config_json import model_keys
+    from podtrain.models import build_model
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {**ROPE_SCALINGS[scaling], "rope_theta": 50_000.0}
+    config = transformers.LlamaConfig(**{**SIZES, "max_position_embeddings": 4096, "rope_parameters": params})
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    keys = model_keys(config.to_diff_dict(), "here")  # as save_pretrained writes config.json
+    overrides = [f"model.{k}={v}" for k, v in keys.items() if k.startswith("rope") or k in ("d_model", "n_heads")]
+    model = build_model(load_config(None, [*overrides, "model.compute_dtype=float32"]).model, nnx.Rngs(0))
+    positions = jnp.arange(0, 4096, 7)
+    cos, sin = model.rope(positions)
+    angles = np.asarray(positions, np.float64)[:, None] * inv_freq.double().numpy()[None]
+    np.testing.assert_allclose(cos, np.cos(angles) * attention, atol=2e-4)
+    np.testing.assert_allclose(sin, np.sin(angles) * attention, atol=2e-4)
 
 
 def test_a_multimodal_gemma3s_language_model_imports_and_exports_as_text(tmp_path):

@@ -74,7 +74,7 @@ def stacked(streams):
 def _model(overrides):
     """(model functions, initial params, tokens) on one device."""
     cfg = load_config(None, overrides)
-    fns = model_fns(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+    fns = model_fns(cfg, build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(3), (2, 16), 0, 256)
     return fns, params, tokens
@@ -166,7 +166,7 @@ def test_streams_are_a_logical_axis_never_sharded():
     over fsdp along embed only, the bias is replicated, and each stream a mixer returns is split over
     the batch alone: a shard holds all its features for half of the batch."""
     cfg = load_config(None, MHC)
-    mesh = build_mesh(MeshConfig(1, 2, 4), jax.devices())
+    mesh = build_mesh(MeshConfig(data=1, fsdp=2, tensor=4), jax.devices())
     fns = model_fns(cfg, mesh)
     mixer = fns.logical_axes["layers"]["attn_mix"]
     assert mixer["phi"] == ("layers", "embed", "streams") and mixer["bias"] == ("layers", "streams")
@@ -263,7 +263,7 @@ def test_mixer_equals_the_reference_formulation(streams, batch, seq, projection)
     def new(m, x, branch):
         return stacked(m(split(x), branch))
 
-    mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
+    mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
     grads = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)
     (_, out), (d_state, d_x) = sharded_jit(functools.partial(grads, new), mesh)(state, x)
     (_, ref_out), (ref_d_state, ref_d_x) = jax.jit(functools.partial(grads, reference_mix))(state, x)

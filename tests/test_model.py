@@ -57,7 +57,7 @@ def test_grouped_query_attention_matches_reference(n_heads, n_kv_heads, tensor):
     )
     x = jax.random.normal(jax.random.key(1), (2, t, d_model))
     rope = rope_tables(t, d_model // n_heads, 10000.0)
-    mesh = build_mesh(MeshConfig(1, 1, tensor), jax.devices()[:tensor])
+    mesh = build_mesh(MeshConfig(data=1, fsdp=1, tensor=tensor), jax.devices()[:tensor])
     out = sharded_jit(lambda x: attn(x, rope), mesh)(x)
     weights = (attn.wq[...], attn.wk[...], attn.wv[...], attn.wo[...])
     grouped = reference_attention(x, *weights, rope, jnp.arange(n_heads) // (n_heads // n_kv_heads))

@@ -58,7 +58,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
     logged = [r["loss"] for r in read_metrics(run) if "loss" in r]
     np.testing.assert_allclose(logged, losses, rtol=0, atol=1e-5)
     cfg = load_config(None, SMALL + ["train.eval_batches=1"])
-    one_device = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    one_device = build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     job = build(cfg, one_device)
     checkpointer = Checkpointer(run / "checkpoints")
     restored = checkpointer.restore({"params": job.setup.fns.abstract_params})["params"]

@@ -79,7 +79,7 @@ def test_weight_decay_reaches_matrices_only(small_overrides, name):
     zero gradients then shrinks each decayed weight by lr x weight_decay x its value and leaves the
     others exactly as they were."""
     cfg = load_config(None, [*small_overrides, f"model.name={name}", "train.lr=0.1", "train.weight_decay=0.5"])
-    setup = train_setup(cfg, build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]))
+    setup = train_setup(cfg, build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
     mask = decay_mask(setup.fns)
     assert mask == jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in VECTORS, mask)
     assert mask["layers"]["attn"]["wq"] and not mask["layers"]["attn_norm"]["scale"] and not mask["norm"]["scale"]

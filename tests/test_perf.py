@@ -34,7 +34,9 @@ def loss_and_grads(overrides: tuple[str, ...], mesh_shape=(1, 1, 1)):
     cfg = load_config(None, list(overrides))
     graphdef, params = nnx.split(build_model(cfg.model, nnx.Rngs(0)))
     tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.model.vocab_size)
-    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    mesh = build_mesh(
+        MeshConfig(**dict(zip(("data", "fsdp", "tensor"), mesh_shape))), jax.devices()[: int(np.prod(mesh_shape))]
+    )
     loss = lambda p: lm.next_token_loss(nnx.merge(graphdef, p), None, tokens, None)[0]  # noqa: E731
     return jax.device_get(sharded_jit(jax.value_and_grad(loss), mesh)(params))
 

@@ -268,20 +268,20 @@ def test_splash_attention_equals_xla_attention():
         assert float(abs(mine - theirs).max()) < 1e-4
 
 
-def test_splash_attention_with_a_window_and_a_soft_cap_equals_the_xla_path():
-    """Gemma's and Mistral's options in the kernel: a sliding window of 48 keys (LocalMask) and
-    soft-capped scores, against podtrain's own xla attention with the same mask and cap."""
+def test_splash_attention_with_a_window_a_soft_cap_and_segments_equals_the_xla_path():
+    """Gemma's and Mistral's options in the kernel: a sliding window of 48 keys (LocalMask),
+    soft-capped scores and two packed documents (segment ids), against podtrain's own xla
+    attention with the same window, cap and segments."""
     from podtrain.models.attention import grouped_attention, splash_attention
-    from podtrain.models.layers import window_mask
 
-    q, k, v = (jax.random.normal(jax.random.key(i), (1, 128, n, 32)) for i, n in enumerate((4, 2, 2)))
-    positions = jax.numpy.arange(128)
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 128, n, 32)) for i, n in enumerate((4, 2, 2)))
+    segments = jax.numpy.asarray([[0] * 50 + [1] * 78, [3] * 100 + [4] * 28])
 
     def xla(q, k, v):
-        return grouped_attention(q, k, v, window_mask(positions, positions, 48), softcap=5.0)
+        return grouped_attention(q, k, v, softcap=5.0, window=48, segments=(segments, segments))
 
     def splash(q, k, v):
-        return splash_attention(q, k, v, interpret=True, softcap=5.0, window=48)
+        return splash_attention(q, k, v, interpret=True, softcap=5.0, window=48, segments=segments)
 
     assert float(abs(splash(q, k, v) - xla(q, k, v)).max()) < 1e-5
     grads = [jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, k, v) for f in (splash, xla)]

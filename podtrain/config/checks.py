@@ -52,15 +52,25 @@ def validate(cfg: Config) -> None:
     packed_apart = (
         "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
     )
-    if packed_apart and attention in ("cudnn", "splash"):
+    if packed_apart and attention == "cudnn":
         raise ConfigError(
-            f"{packed_apart} keeps attention inside documents with a mask, which model.attention={attention} "
-            "does not take; use model.attention=xla (or auto)."
+            f"{packed_apart} keeps attention inside documents by their segment ids, which cuDNN's fused attention "
+            "does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
+        )
+    if data.reset_positions and not packed_apart:
+        raise ConfigError(
+            "data.reset_positions=true restarts positions at each packed document, and data.pack=concat packs none "
+            "apart; set data.pack=documents (or data.format=chat), or data.reset_positions=false."
         )
     if data.format == "chat" and data.source != "text":
         raise ConfigError(
             f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
             f"data.path=FILE_OR_DIR (not data.source={data.source})."
+        )
+    if cfg.mesh.context != 1 and attention in ("cudnn", "splash"):
+        raise ConfigError(
+            f"mesh.context={cfg.mesh.context} splits the sequence, and context-parallel attention runs on "
+            f"model.attention=xla for now, not {attention}; use model.attention=xla (or auto)."
         )
     if attention == "cudnn" and (lacking := cudnn_lacks(cfg.model)):
         raise ConfigError(
@@ -104,10 +114,10 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        if fused == "cudnn" and cudnn_lacks(m):
-            fused = "xla"
-        if cfg.data.pack == "documents" or cfg.data.format == "chat":
-            fused = "xla"  # a mask per row
+        if cfg.mesh.context != 1:
+            fused = "xla"  # the context-parallel strategies are written in XLA operations
+        if fused == "cudnn" and (cudnn_lacks(m) or cfg.data.pack == "documents" or cfg.data.format == "chat"):
+            fused = "xla"  # what cuDNN's kernel cannot keep apart
         m.attention = fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"

@@ -28,6 +28,7 @@ from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
+from podtrain.sharding import AXES
 
 
 class _Yaml(yaml.SafeLoader):
@@ -43,7 +44,8 @@ _Yaml.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
 
-MESH_AXIS_ALIASES = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "model": "tensor", "tp": "tensor"}
+# The names the field gives the mesh axes, in configs and TPU_AXIS_NAMES.
+MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context"}
 
 
 def default_config(model: str = "llama") -> Config:
@@ -93,14 +95,22 @@ def mesh_from_env(environ=os.environ) -> list[str]:
         )
     overrides = []
     for name, size in zip(names, sizes):
-        axis = MESH_AXIS_ALIASES.get(name.strip())
-        if axis is None:
+        axis = MESH_AXIS_ALIASES.get(name.strip(), name.strip())
+        if axis not in AXES:
             raise ConfigError(
-                f"TPU_AXIS_NAMES names an unknown mesh axis `{name}`; use data, fsdp and tensor (or its aliases "
-                "model, tp)."
+                f"TPU_AXIS_NAMES names an unknown mesh axis `{name}`; use {', '.join(AXES)} (or the aliases "
+                f"{', '.join(f'{a} for {b}' for a, b in MESH_AXIS_ALIASES.items())})."
             )
         overrides.append(f"mesh.{axis}={size.strip()}")
     return overrides
+
+
+def canonical_axes(data: dict) -> dict:
+    """A mesh section with the field's names of its axes (`cp: 4`) as podtrain's (`context: 4`)."""
+    mesh = data.get("mesh")
+    if not isinstance(mesh, dict):
+        return data
+    return {**data, "mesh": {MESH_AXIS_ALIASES.get(name, name): size for name, size in mesh.items()}}
 
 
 def _select(layers: list[Any], name: str):
@@ -221,10 +231,10 @@ def load_config(
     sequence length and precision stay the recipe's, so its data and train.seq_len still fit."""
     layers = []
     if path:
-        data = _read_yaml(path)
+        data = canonical_axes(_read_yaml(path))
         check_structure(data, str(path))
         layers.append(OmegaConf.create(data))
-    override = parse_overrides(mesh_from_env(environ) + list(overrides))
+    override = canonical_axes(parse_overrides(mesh_from_env(environ) + list(overrides)))
     check_structure(override, "the overrides")
     try:
         layers.append(OmegaConf.create(override))

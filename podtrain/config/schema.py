@@ -111,6 +111,11 @@ class ModelConfig:
 class MeshConfig:
     data: int = key(-1, "devices that hold replicas and split the batch (-1: the rest)", "-1 or >= 1")
     fsdp: int = key(1, "devices that split the params, gradients and optimizer state (ZeRO-3)", "-1 or >= 1")
+    context: int = key(
+        1,
+        "devices that split each sequence (context parallelism; aliases cp, sequence); weights replicated",
+        "-1 or >= 1",
+    )
     tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
 
 
@@ -178,6 +183,11 @@ class DataConfig:
     )
     pack: Literal["concat", "documents"] = key(
         "concat", "concat: documents joined by EOS into rows; documents: attention stays inside each document"
+    )
+    reset_positions: bool = key(
+        False,
+        "positions restart at 0 with each packed document (data.pack=documents, or chat) instead of running on; "
+        "rotary embeddings see only distances, so this changes rounding at large positions, not the model",
     )
     val_fraction: float = key(0.1, "held-out share of in-memory text (prepared shards have their own)", "(0, 1)")
     dataset_name: str | None = key(None, "if set, the config of the hub dataset the shards must come from")

@@ -34,13 +34,18 @@ class LanguageModel(Protocol):
 
     cfg: LanguageModelConfig
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
         """tokens (B, T) int32 -> logits (B, T, V) float32; `logits(*features(...))`."""
 
-    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> tuple[Any, jax.Array]:
+    def features(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> tuple[Any, jax.Array]:
         """(head, x): whatever `logits` needs beside the positions' states (a tied head's embedding
         table; passed back unchanged), and the last layer's output x (B, T, D). With segment_ids
-        (B, T) int32, a token attends only to tokens of its own segment (packed documents)."""
+        (B, T) int32, a token attends only to earlier tokens of its own segment (packed documents),
+        and never through a (T, T) mask: the model is given O(T) of it. `positions` (B, T) int32
+        are the tokens' positions for the model's position encoding (default 0..T-1; they restart
+        at each document with data.reset_positions)."""
 
     def logits(self, head: Any, x: jax.Array) -> jax.Array:
         """(B, t, D) states of any t positions -> (B, t, V) float32 logits."""

@@ -7,6 +7,8 @@ norms, softmax statistics and logits are computed in float32.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -20,6 +22,7 @@ ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, 
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 LOGITS = ("act_batch", "act_seq", "act_vocab")
+SEGMENTS = ("act_batch", "act_seq")  # per token: its document's id, or its position
 # Embedding tables and output heads in use: gathered over fsdp, split over the vocabulary under tensor.
 TABLE, HEAD = ("act_vocab", "act_embed"), ("act_embed", "act_vocab")
 
@@ -109,18 +112,50 @@ class RMSNorm(nnx.Module):
         return (rms_norm(x, self.eps) * scale).astype(x.dtype)
 
 
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN's stretch of the rotary wavelengths (transformers' "yarn" rope type): wavelengths
+    longer than the original context / beta_slow turns are divided by `factor`, those shorter than
+    original / beta_fast kept, a linear ramp between; cos and sin are scaled by `attention_factor`
+    (0: 0.1 ln(factor) + 1)."""
+
+    factor: float
+    original_max_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    truncate: bool = True
+
+    def __call__(self, inv_freq: jax.Array, theta: float) -> tuple[jax.Array, float]:
+        dim = 2 * inv_freq.shape[0]
+
+        def turns_at(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` in the context
+            return dim * math.log(self.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = turns_at(self.beta_fast), turns_at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low if high != low else 0.001), 0, 1)
+        attention = self.attention_factor or (0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0)
+        return inv_freq / self.factor * ramp + inv_freq * (1 - ramp), attention
+
+
 def rope_tables(
     positions,
     head_dim: int,
     theta: float,
     llama3: tuple[float, float, float, int] | None = None,
     linear: float | None = None,
+    yarn: Yarn | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of shape (len(positions), head_dim // 2) for rotary position embeddings at
-    `positions` (an int n: 0..n-1). `llama3` = (factor, low_freq_factor, high_freq_factor,
-    original_max_len) stretches the long wavelengths as Llama 3 does for its longer context;
-    `linear` divides every frequency by that factor."""
+    """cos and sin of shape (..., head_dim // 2) for rotary position embeddings at `positions`
+    (an int n: 0..n-1; or an array, (seq,) or (batch, seq)). `llama3` = (factor,
+    low_freq_factor, high_freq_factor, original_max_len) stretches the long wavelengths as Llama 3
+    does for its longer context; `linear` divides every frequency by that factor; `yarn` stretches
+    them as YaRN does."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    attention = 1.0
     if linear is not None:  # positions divided by the factor (transformers' "linear" rope type)
         inv_freq = inv_freq / linear
     if llama3 is not None:
@@ -130,27 +165,19 @@ def rope_tables(
             (original / wavelen - low) / (high - low), 0.0, 1.0
         )  # 0 beyond original / low, 1 below original / high
         inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if yarn is not None:
+        inv_freq, attention = yarn(inv_freq, theta)
     positions = jnp.arange(positions) if isinstance(positions, int) else positions
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def document_mask(segment_ids: jax.Array) -> jax.Array:
-    """(batch, 1, seq, seq): True where query and key are in the same segment (document)."""
-    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-
-
-def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array) -> jax.Array:
-    """(1, 1, queries, keys): True where the key is one of the `window` latest positions up to the
-    query's, itself included (transformers' sliding window); a window of 0 sees every position."""
-    distance = q_positions[:, None] - k_positions[None, :]
-    return ((distance < window) | (window <= 0))[None, None]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
+    if attention == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * attention, jnp.sin(angles) * attention
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate (batch, seq, heads, head_dim) by position, in the half-split layout of Llama. Tables
     narrower than head_dim / 2 rotate only the first 2 x their width dimensions (partial rotary, Phi-3)."""
-    cos, sin = (t[None, :, None, :] for t in rope)
+    cos, sin = (t[..., None, :] if t.ndim == 3 else t[None, :, None, :] for t in rope)  # per row, or shared
     rotary = 2 * cos.shape[-1]
     x1, x2 = jnp.split(x[..., :rotary].astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

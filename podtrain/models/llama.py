@@ -21,7 +21,7 @@ from podtrain.models.layers import (
     TABLE,
     RMSNorm,
     SwiGLU,
-    document_mask,
+    Yarn,
     embed_tokens,
     output_head,
     param,
@@ -41,15 +41,22 @@ class LlamaConfig(LanguageModelConfig):
     n_kv_heads: int = key(2, "key/value heads: n_heads / n_kv_heads query heads share one (grouped-query)", ">= 1")
     tie_embeddings: bool = key(True, "the output head is the embedding table, transposed")
     init_std: float = key(0.02, "std of the initial weights; residual outputs get std / sqrt(2 n_layers)", "> 0")
-    rope_scaling: Literal["none", "llama3", "linear"] = key(
+    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = key(
         "none",
-        "llama3: Llama 3's stretch of the long rotary wavelengths, with the four rope_ keys below; linear: "
-        "positions divided by rope_factor (of the layers that attend to everything, if rope_local_theta is set)",
+        "llama3: Llama 3's stretch of the long rotary wavelengths; yarn: YaRN's (Qwen's long context, DeepSeek-V3); "
+        "linear: positions divided by rope_factor (of the layers that attend to everything, if rope_local_theta is "
+        "set); each with the rope_ keys below",
     )
-    rope_factor: float = key(8.0, "llama3 and linear scaling: how far the wavelengths are stretched", ">= 1")
+    rope_factor: float = key(8.0, "llama3, yarn and linear scaling: how far the wavelengths are stretched", ">= 1")
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
-    rope_original_max_len: int = key(8192, "llama3 scaling: the context length before the stretch", ">= 1")
+    rope_original_max_len: int = key(8192, "llama3 and yarn scaling: the context length before the stretch", ">= 1")
+    rope_beta_fast: float = key(32.0, "yarn: wavelengths of more than this many turns in the context are kept", "> 0")
+    rope_beta_slow: float = key(1.0, "yarn: wavelengths of fewer turns than this are stretched", "> 0")
+    rope_attention_factor: float = key(
+        0.0, "yarn: cos and sin are scaled by this; 0: 0.1 ln(rope_factor) + 1, as YaRN's paper", ">= 0"
+    )
+    rope_truncate: bool = key(True, "yarn: the ramp's ends rounded to whole dimensions (as transformers)")
     head_dim: int = key(0, "width of each attention head; 0: d_model / n_heads", ">= 0")
     attention_bias: Literal["none", "qkv", "all"] = key(
         "none", "biases of the attention projections: none, on q/k/v (Qwen2), or on q/k/v and the output"
@@ -73,6 +80,11 @@ class LlamaConfig(LanguageModelConfig):
     post_norms: bool = key(False, "an RMSNorm on each branch's output before the residual add (Gemma 2 and 3)")
     mlp_activation: Literal["silu", "gelu_tanh"] = key(
         "silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)"
+    )
+    context_attention: Literal["all_gather", "ring"] = key(
+        "all_gather",
+        "with mesh.context > 1: all_gather: every shard's keys and values gathered per layer; ring: passed "
+        "round a ring of the context shards, one shard's at a time (less memory, more steps)",
     )
     hf_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] = key(
         "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
@@ -134,6 +146,7 @@ class Block(nnx.Module):
             scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
             softcap=cfg.attn_softcap,
             windows=tuple(sorted(set(cfg.layer_windows() or []))),
+            context=cfg.context_attention,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.mlp = SwiGLU(
@@ -144,9 +157,11 @@ class Block(nnx.Module):
             self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.post_norms = cfg.post_norms
 
-    def __call__(self, x: jax.Array, rope, mask, window=None) -> jax.Array:
+    def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> jax.Array:
         rope = layer_rope(rope, window)
-        return self.residual(x, lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, mask, window)))
+        return self.residual(
+            x, lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, segments, window, positions))
+        )
 
     def decode(self, x: jax.Array, rope, cache, start, window=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
@@ -188,7 +203,8 @@ def layer_rope(rope, window):
 class Llama(nnx.Module):
     """A LanguageModel (models/interface.py): tokens (batch, seq) int32 -> logits (batch, seq,
     vocab) float32. With segment_ids (batch, seq), a token attends only to earlier tokens of its
-    own segment (packed documents stay apart).
+    own segment (packed documents stay apart); `positions` (batch, seq) are its rotary positions
+    (default 0, 1, ...).
 
     Subclasses change the residual stream through `block`, `widen` and `narrow`.
     """
@@ -203,20 +219,22 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        return self.logits(*self.features(tokens, segment_ids))
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
+        return self.logits(*self.features(tokens, segment_ids, positions))
 
-    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def features(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """The embedding table and the last block's output (batch, seq, d_model): `logits` of the
         two, whole or a slice of the positions at a time, are the model's output."""
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
-        rope = self.rope(tokens.shape[1])
-        mask = None if segment_ids is None else document_mask(segment_ids)
+        rope = self.rope(tokens.shape[1] if positions is None else positions)
         x = scan_layers(
             self.layers,
             self.widen(self.embedded(table, tokens)),
             rope,
-            mask,
+            segment_ids,
+            positions,
             per_layer=self.per_layer(),
             remat=self.cfg.remat,
             unroll=self.cfg.scan_unroll,
@@ -265,8 +283,20 @@ class Llama(nnx.Module):
             else None
         )
         linear = cfg.rope_factor if cfg.rope_scaling == "linear" else None
+        yarn = (
+            Yarn(
+                cfg.rope_factor,
+                cfg.rope_original_max_len,
+                cfg.rope_beta_fast,
+                cfg.rope_beta_slow,
+                cfg.rope_attention_factor,
+                cfg.rope_truncate,
+            )
+            if cfg.rope_scaling == "yarn"
+            else None
+        )
         rotary = int(cfg.head_size * cfg.rotary_fraction)  # as transformers rounds it
-        full = rope_tables(positions, rotary, cfg.rope_theta, llama3, linear)
+        full = rope_tables(positions, rotary, cfg.rope_theta, llama3, linear, yarn)
         if not cfg.rope_local_theta:
             return full
         return {"full": full, "sliding": rope_tables(positions, rotary, cfg.rope_local_theta)}

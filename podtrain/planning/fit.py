@@ -112,15 +112,16 @@ def describe(changes: dict) -> str:
 def remedies(cfg: Config, n_devices: int) -> list[dict]:
     """The usual changes, one at a time and smallest first: more fsdp (taken from the data axis),
     remat dots then full, a smaller microbatch with gradient accumulation; then all together."""
-    data, fsdp, tensor = resolve_shape(cfg.mesh, n_devices)
+    shape = resolve_shape(cfg.mesh, n_devices)
+    data, fsdp, tensor = shape["data"], shape["fsdp"], shape["tensor"]
     t, policies = cfg.train, ("none", "dots", "full")
     sharded = [
-        {"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.tensor": tensor}
+        {"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.context": shape["context"], "mesh.tensor": tensor}
         for k in (2**i for i in range(1, 31))
         if data % k == 0
     ]
     remat = [{"model.remat": p} for p in policies[policies.index(cfg.model.remat) + 1 :]]
-    dp = n_devices // tensor  # the microbatch splits over data x fsdp whatever their split
+    dp = data * fsdp  # the microbatch splits over data x fsdp whatever their split
     accum = [
         {"train.grad_accum": a}
         for a in range(t.grad_accum + 1, t.batch_size + 1)

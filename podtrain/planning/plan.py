@@ -39,7 +39,7 @@ RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all
 class Plan:
     target: Target
     cfg: Config
-    mesh: tuple[int, int, int]
+    mesh: dict[str, int]  # each axis's size
     memory: fit.Memory
     tokens_per_step: int
     flops_per_step: float  # the model's, all devices
@@ -145,12 +145,13 @@ def _cost_flops(compiled) -> float | None:
 
 
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
-    """Every mesh whose product is the device count, under each remat policy: its plan, or why
-    the model cannot take it; fitting plans first, fastest first."""
-    rows = []
-    for data, fsdp, tensor in factorizations(len(target.devices)):
+    """Every mesh whose product is the device count (mesh.context as set), under each remat policy:
+    its plan, or why the model cannot take it; fitting plans first, fastest first."""
+    rows, context = [], resolve_shape(cfg.mesh, len(target.devices))["context"]
+    for data, fsdp, tensor in factorizations(len(target.devices) // context):
         for remat in ("none", "dots", "full"):
-            changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "model.remat": remat}
+            changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.context": context, "mesh.tensor": tensor}
+            changes["model.remat"] = remat
             try:
                 rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
             except PodtrainError as e:
@@ -175,7 +176,7 @@ def as_json(p: Plan, top: int = 0) -> dict:
         "chip": p.target.chip.name,
         "estimate": p.target.estimate,
         "devices": len(p.target.devices),
-        "mesh": dict(zip(("data", "fsdp", "tensor"), p.mesh)),
+        "mesh": p.mesh,
         "remat": p.cfg.model.remat,
         "attention": p.cfg.model.attention,
         "grad_accum": p.cfg.train.grad_accum,
@@ -243,7 +244,7 @@ def report(p: Plan, top: int = 0) -> str:
         f"job         {c.model.name}, {c.model.compute_dtype} compute, {c.model.attention} attention, "
         f"remat {c.model.remat}, batch "
         f"{c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} (grad_accum {c.train.grad_accum}), "
-        f"mesh data={p.mesh[0]} fsdp={p.mesh[1]} tensor={p.mesh[2]}, compiled in {p.compile_s:.1f} s",
+        f"mesh {' '.join(f'{a}={n}' for a, n in p.mesh.items())}, compiled in {p.compile_s:.1f} s",
         f"memory      {m.summary()}: " + ("fits" if p.fits else "DOES NOT FIT"),
         f"flops       model {p.flops_per_step:.3g} per step"
         + (
@@ -276,12 +277,12 @@ def report(p: Plan, top: int = 0) -> str:
 
 def sweep_table(rows: list) -> str:
     lines = [
-        f"{'data':>4} {'fsdp':>4} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  "
+        f"{'data':>4} {'fsdp':>4} {'context':>7} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  "
         f"{'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
     ]
     for changes, p in rows:
         mesh = (
-            f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} "
+            f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} {changes['mesh.context']:>7} "
             f"{changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
         )
         if isinstance(p, str):

@@ -1,4 +1,4 @@
-"""The named mesh `data x fsdp x tensor`: its shape resolved and checked against the devices.
+"""The named mesh `data x fsdp x context x tensor`: its shape resolved and checked against the devices.
 
 What each axis shards is `podtrain.sharding`'s business; this module only builds the mesh."""
 
@@ -14,17 +14,19 @@ from podtrain.errors import MeshError
 from podtrain.sharding import AXES
 
 
-def factorizations(n: int) -> list[tuple[int, int, int]]:
-    return [
-        (d, f, n // (d * f)) for d in range(n, 0, -1) if n % d == 0 for f in range(n // d, 0, -1) if (n // d) % f == 0
-    ]
+def factorizations(n: int, axes: int = 3) -> list[tuple[int, ...]]:
+    """Every way to write n as an ordered product of `axes` factors, the first factor largest first."""
+    if axes == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(n, 0, -1) if n % d == 0 for rest in factorizations(n // d, axes - 1)]
 
 
-def resolve_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+def resolve_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Each axis's size (in AXES order), the -1 one given the rest of the devices."""
+    sizes = [getattr(mesh, a) for a in AXES]
     named = " ".join(f"{a}={s}" for a, s in zip(AXES, sizes))
-    valid = ", ".join("x".join(map(str, s)) for s in factorizations(n_devices)[:10])
-    hint = f"Valid data x fsdp x tensor shapes for {n_devices} devices include {valid}; -1 on one axis takes the rest."
+    valid = ", ".join("x".join(map(str, s)) for s in factorizations(n_devices, len(AXES))[:10])
+    hint = f"Valid {' x '.join(AXES)} shapes for {n_devices} devices include {valid}; -1 on one axis takes the rest."
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise MeshError(f"Mesh {named} is invalid: sizes must be positive, with at most one -1. {hint}")
     known = math.prod(s for s in sizes if s != -1)
@@ -34,12 +36,12 @@ def resolve_shape(mesh: MeshConfig, n_devices: int) -> tuple[int, int, int]:
         sizes[sizes.index(-1)] = n_devices // known
     elif known != n_devices:
         raise MeshError(f"Mesh {named} needs {known} devices but {n_devices} are available. {hint}")
-    return tuple(sizes)
+    return dict(zip(AXES, sizes))
 
 
 def build_mesh(mesh: MeshConfig, devices: list[jax.Device]) -> Mesh:
-    shape = resolve_shape(mesh, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+    shape = tuple(resolve_shape(mesh, len(devices)).values())
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def describe(mesh: Mesh) -> str:

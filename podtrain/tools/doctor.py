@@ -151,7 +151,7 @@ def train_step(job: Job, cfg: Config, batch, gather: bool) -> tuple[str, tuple]:
 
 def one_device_update(cfg: Config, batch, before) -> tuple:
     """(params, grad norm) after one step of a one-device copy of the job on the whole batch."""
-    one = dataclasses.replace(cfg, mesh=MeshConfig(1, 1, 1))
+    one = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
     job = build(one, mesh_lib.build_mesh(one.mesh, jax.local_devices()[:1]), data=False)
     state = at_peak_lr(job, one)
     whole = np.asarray(multihost_utils.process_allgather(batch, tiled=True))

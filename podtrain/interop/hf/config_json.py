@@ -8,6 +8,8 @@ dropped silently.
 
 from __future__ import annotations
 
+import math
+
 from podtrain.errors import ConfigError
 from podtrain.interop.hf.families import DECODER_DEFAULTS, FAMILIES, INERT, SHARED, HfFamily, family_of, text_config
 
@@ -68,12 +70,38 @@ def _rope(hf: dict, where: str) -> dict:
         keys |= {"rope_scaling": kind, **{ours: params[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
     elif kind == "linear":
         keys |= {"rope_scaling": kind, "rope_factor": float(params["factor"])}
+    elif kind == "yarn":
+        keys |= {"rope_scaling": kind, **_yarn(hf, params)}
     elif kind != "default":
         raise ConfigError(
             f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
-            "embedding, Llama 3's (`llama3`) and `linear`."
+            "embedding, Llama 3's (`llama3`), `yarn` and `linear`."
         )
     return keys
+
+
+def _yarn(hf: dict, params: dict) -> dict:
+    """YaRN's parameters as transformers reads them: the original context from the parameters,
+    else the config, else max_position_embeddings; the factor, else their ratio; the attention
+    factor given, else from mscale / mscale_all_dim (DeepSeek-V3), else YaRN's default (0)."""
+    original = (
+        params.get("original_max_position_embeddings")
+        or hf.get("original_max_position_embeddings")
+        or hf["max_position_embeddings"]
+    )
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim and factor > 1:
+        attention = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    return {
+        "rope_factor": float(factor),
+        "rope_original_max_len": int(original),
+        "rope_beta_fast": float(params.get("beta_fast") or 32),
+        "rope_beta_slow": float(params.get("beta_slow") or 1),
+        "rope_attention_factor": float(attention or 0.0),
+        "rope_truncate": bool(params.get("truncate", True)),
+    }
 
 
 def model_keys(hf: dict, where: str) -> dict:
@@ -182,6 +210,16 @@ def hf_config(model, eos_id: int | None, dtype: str) -> dict:
         }
     elif model.rope_scaling == "linear":
         scaling = {"rope_type": "linear", "factor": model.rope_factor}
+    elif model.rope_scaling == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": model.rope_factor,
+            "original_max_position_embeddings": model.rope_original_max_len,
+            "beta_fast": model.rope_beta_fast,
+            "beta_slow": model.rope_beta_slow,
+            "truncate": model.rope_truncate,
+            **({"attention_factor": model.rope_attention_factor} if model.rope_attention_factor else {}),
+        }
     config = {
         "architectures": [family.architecture],
         "model_type": family.model_type,

@@ -15,7 +15,7 @@ from podtrain.data import chat
 from podtrain.data.loader import BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
-from podtrain.sharding import batch_sharding
+from podtrain.sharding import balanced_order, batch_sharding, shards
 from podtrain.train.tasks import Task
 from podtrain.train.tasks.sampling import sample
 
@@ -76,13 +76,44 @@ def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
     return jnp.cumsum(is_eos, axis=-1) - is_eos
 
 
-def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None):
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """(batch, seq): each token's place in its own segment, counting from 0 where the segment starts."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1]), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
+
+
+def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_positions: bool = False) -> jax.Array:
+    """The model's loss on windows (batch, seq) of inputs and targets, each token attending only
+    within its segment (if `segments`), at positions that restart with each (`reset_positions`).
+    Where the mesh splits the sequence (context parallelism), the tokens are put in the order
+    that gives every shard the same causal work, with their positions: the loss, a mean, is the
+    same in any order."""
+    positions = document_positions(segments) if reset_positions and segments is not None else None
+    if (order := context_order(inputs.shape[1])) is not None:
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape) if positions is None else positions
+        inputs, targets, segments, positions, weights = (
+            None if a is None else a[:, order] for a in (inputs, targets, segments, positions, weights)
+        )
+    table, x = model.features(inputs, segments, positions)
+    return scored(model, table, x, targets, weights)
+
+
+def context_order(t: int) -> np.ndarray | None:
+    """The load-balanced order of t positions over the context shards, or None if unsplit."""
+    n = shards("act_seq", t)
+    return None if n == 1 else balanced_order(t, n)
+
+
+def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None, reset_positions: bool = False):
     """The mean cross entropy of predicting each token of windows (batch, seq + 1) from those
     before it; with `eos_id`, only from those of its own document (data.pack=documents). With
     model.loss_chunk, the logits are made and scored that many positions at a time."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    table, x = model.features(inputs, None if eos_id is None else document_ids(inputs, eos_id))
-    return scored(model, table, x, targets), (carry, {})
+    segments = None if eos_id is None else document_ids(inputs, eos_id)
+    return sequence_loss(model, inputs, targets, segments, None, reset_positions), (carry, {})
 
 
 def scored(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -97,23 +128,23 @@ def scored(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array | 
     return (token_losses(model.logits(table, x), targets) * w).sum() / jnp.maximum(w.sum(), 1)
 
 
-def chat_loss(model, carry, rows: jax.Array, key):
+def chat_loss(model, carry, rows: jax.Array, key, reset_positions: bool = False):
     """The mean cross entropy of the assistant's tokens of packed conversations, rows (batch, 3,
     seq + 1) as data/chat.py packs them: each token predicted from the earlier tokens of its own
     conversation, which attends to nothing outside it."""
     tokens, segments, trained = rows[:, chat.TOKENS], rows[:, chat.SEGMENTS], rows[:, chat.TRAINED]
     weights = trained[:, 1:] * (segments[:, 1:] == segments[:, :-1])
-    table, x = model.features(tokens[:, :-1], segments[:, :-1])
-    return scored(model, table, x, tokens[:, 1:], weights), (carry, {})
+    loss = sequence_loss(model, tokens[:, :-1], tokens[:, 1:], segments[:, :-1], weights, reset_positions)
+    return loss, (carry, {})
 
 
-def validation_loss(model, tokens: jax.Array, eos_id: int | None = None) -> dict:
-    return {"val_loss": next_token_loss(model, None, tokens, None, eos_id)[0]}
+def validation_loss(model, tokens: jax.Array, eos_id: int | None = None, reset_positions: bool = False) -> dict:
+    return {"val_loss": next_token_loss(model, None, tokens, None, eos_id, reset_positions)[0]}
 
 
-def chat_validation_loss(model, rows: jax.Array) -> dict:
+def chat_validation_loss(model, rows: jax.Array, reset_positions: bool = False) -> dict:
     """The held-out assistant tokens' loss."""
-    return {"val_loss": chat_loss(model, None, rows, None)[0]}
+    return {"val_loss": chat_loss(model, None, rows, None, reset_positions)[0]}
 
 
 class LanguageTask(Task):
@@ -125,15 +156,24 @@ class LanguageTask(Task):
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t = cfg.train
         self.cfg, self.positions = cfg, t.seq_len
+        if t.seq_len % (2 * mesh.shape["context"]):
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} does not split into 2 x {mesh.shape['context']} equal chunks, one pair per "
+                f"context shard (mesh.context={mesh.shape['context']}); make it a multiple of "
+                f"{2 * mesh.shape['context']}."
+            )
         row = (3, t.seq_len + 1) if cfg.data.format == "chat" else (t.seq_len + 1,)  # chat: tokens, segments, trained
         self.train_batch = jax.ShapeDtypeStruct(
             (t.grad_accum, t.batch_size // t.grad_accum, *row), jnp.int32, sharding=batch_sharding(mesh, leading=1)
         )
+        reset = cfg.data.reset_positions
         if cfg.data.format == "chat":
-            self.loss_fn, self.eval_fn = chat_loss, chat_validation_loss
-        if not data:  # shapes only: the document mask costs the same whichever id ends a document
+            self.loss_fn, self.eval_fn = (
+                partial(fn, reset_positions=reset) for fn in (chat_loss, chat_validation_loss)
+            )
+        if not data:  # shapes only: keeping documents apart costs the same whichever id ends one
             if cfg.data.pack == "documents":
-                self.loss_fn = partial(next_token_loss, eos_id=0)
+                self.loss_fn = partial(next_token_loss, eos_id=0, reset_positions=reset)
             return
         self.tokenizer = data_tokenizer(cfg.data)
         largest = max_token_id(cfg.data, self.tokenizer)
@@ -151,8 +191,8 @@ class LanguageTask(Task):
                     f"{self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one."
                 )
             self.loss_fn, self.eval_fn = (
-                partial(next_token_loss, eos_id=self.tokenizer.eos_id),
-                partial(validation_loss, eos_id=self.tokenizer.eos_id),
+                partial(fn, eos_id=self.tokenizer.eos_id, reset_positions=reset)
+                for fn in (next_token_loss, validation_loss)
             )
         train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
         windows, n = train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed)

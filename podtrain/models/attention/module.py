@@ -1,0 +1,165 @@
+"""The attention layer: projections to heads and back, rotary positions, the implementation the
+config names (or context-parallel attention when the sequence is split), a key/value cache."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.models.attention.context import context_attention
+from podtrain.models.attention.kernels import fused_attention_stand_in, splash_attention
+from podtrain.models.attention.xla import grouped_attention
+from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
+from podtrain.sharding import constrain, shards
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention, causal unless told otherwise: n_kv_heads key/value heads shared by
+    n_heads query heads of head_dim each. The options of the Hugging Face families: `bias` on the
+    q, k and v projections ("qkv", Qwen2) or on all four ("all"), `qk_norm`, an RMSNorm over
+    head_dim of each query and key head before the rotation (Qwen3, Gemma 3), the scores' `scale`
+    (Gemma's query_pre_attn_scalar^-0.5) and their `softcap` (Gemma 2)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        std: float,
+        out_std: float,
+        dtype,
+        implementation: str,
+        rngs: nnx.Rngs,
+        causal: bool = True,
+        head_dim: int = 0,
+        bias: str = "none",
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_plus_one: bool = False,
+        scale: float | None = None,
+        softcap: float = 0.0,
+        windows: tuple[int, ...] = (),
+        context: str = "all_gather",
+    ):
+        head_dim = head_dim or d_model // n_heads
+        self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
+        self.wk = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = param(rngs, (d_model, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = param(rngs, (n_heads, head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
+        if bias != "none":
+            self.bq = param(rngs, (n_heads, head_dim), ("heads", "head_dim"), 0.0)
+            self.bk = param(rngs, (n_kv_heads, head_dim), ("kv_heads", "head_dim"), 0.0)
+            self.bv = param(rngs, (n_kv_heads, head_dim), ("kv_heads", "head_dim"), 0.0)
+        if bias == "all":
+            self.bo = param(rngs, (d_model,), ("embed",), 0.0)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, axis="head_dim", plus_one=norm_plus_one)
+            self.k_norm = RMSNorm(head_dim, norm_eps, axis="head_dim", plus_one=norm_plus_one)
+        self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
+        self.scale, self.softcap = scale or head_dim**-0.5, softcap
+        self.windows = windows  # the layers' distinct sliding windows (0: none), for kernels that need them static
+        self.implementation = None if implementation == "auto" else implementation
+        self.causal, self.context = causal, context  # context: the strategy when the sequence is split
+
+    def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
+        cannot split evenly get a copy per query head, so that q, k and v share one sharding
+        (cuDNN's attention requires it; copying replicated weights is local)."""
+        names = ("wq", "wk", "wv") + (("bq", "bk", "bv") if self.bias != "none" else ())
+        w = {name: getattr(self, name)[...].astype(self.dtype) for name in names}
+        d, n_heads, head_dim = w["wq"].shape
+        n_kv, kv_axes = w["wk"].shape[1], KV_HEADS
+        if share_kv and n_kv % shards("act_heads", n_heads):
+            for name in ("wk", "wv", "bk", "bv"):
+                if name in w:  # heads: axis 1 of a weight, 0 of a bias
+                    w[name] = jnp.repeat(w[name], n_heads // n_kv, axis=1 if name[0] == "w" else 0)
+            n_kv, kv_axes = n_heads, HEADS
+        group = n_heads // n_kv
+
+        def per_kv_head(q, k, v, heads: int):
+            """q, k, v (head axis at `heads`) as (..., n_kv, group + 2, ...): a group's queries, its k, its v."""
+            q = q.reshape(*q.shape[:heads], n_kv, group, *q.shape[heads + 1 :])
+            return jnp.concatenate([q, jnp.expand_dims(k, heads + 1), jnp.expand_dims(v, heads + 1)], axis=heads + 1)
+
+        # One projection for q, k and v, laid out per k/v head (the shards never split a group), so
+        # that the gradient reaches x through one matmul: one all-reduce, not three.
+        qkv = jnp.einsum("btd,dngh->btngh", x_BTD, per_kv_head(w["wq"], w["wk"], w["wv"], 1))
+        if self.bias != "none":
+            qkv = qkv + per_kv_head(w["bq"], w["bk"], w["bv"], 0)[None, None]
+        qkv = constrain(qkv, (*kv_axes[:3], None, "act_head_dim"))
+        q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
+        k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def splash(self, q, k, v, segments, window) -> jax.Array:
+        """The splash kernel with this layer's window: its mask is static, so a stack whose layers
+        differ in window runs the kernel of each (lax.switch on the layer's own)."""
+        kernels = [
+            partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w)
+            for w in (self.windows if window is not None else (0,))
+        ]
+        if len(kernels) == 1:
+            return kernels[0](q, k, v, segments=segments)
+        pick = jnp.argmax(jnp.asarray(self.windows) == window)
+        return jax.lax.switch(pick, [partial(run, segments=segments) for run in kernels], q, k, v)
+
+    def output(self, out_BTNH: jax.Array) -> jax.Array:
+        out = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype))
+        return constrain(out + self.bo[...].astype(self.dtype)[None, None] if self.bias == "all" else out, ACT)
+
+    def __call__(
+        self, x_BTD: jax.Array, rope, segments: jax.Array | None = None, window=None, positions=None
+    ) -> jax.Array:
+        """Causal self-attention of x, kept inside each segment of `segments` (batch, seq) if given
+        (packed documents) and within a sliding `window` (a scalar, 0: none) if given. Tokens are
+        in order, unless the sequence is split over devices: then `positions` (batch, seq) say
+        where each token is (context-parallel attention; 0, 1, ... if not given).
+        Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
+        tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
+        q, k, v = self.project(x_BTD, rope)
+        if shards("act_seq", x_BTD.shape[1]) > 1:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+            out = context_attention(
+                q,
+                k,
+                v,
+                positions,
+                segments,
+                window,
+                strategy=self.context,
+                causal=self.causal,
+                scale=self.scale,
+                softcap=self.softcap,
+            )
+        elif self.implementation == "splash":
+            out = self.splash(q, k, v, segments, window)
+        elif self.implementation == "cudnn_estimate":
+            out = fused_attention_stand_in(q, k, v, self.causal)
+        elif self.implementation == "cudnn":  # no segments or windows: config/checks.py refuses them
+            out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal, implementation="cudnn")
+        else:
+            pair = None if segments is None else (segments, segments)
+            out = grouped_attention(q, k, v, self.causal, self.scale, self.softcap, segments=pair, window=window)
+        return self.output(constrain(out, HEADS))
+
+    def decode(
+        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array, window=None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the tokens x at positions start.. to themselves and everything before them
+        (within a sliding `window`), whose keys and values `cache` (batch, length, kv_heads,
+        head_dim) holds; x's are written into it. Positions after the last written one are masked,
+        whatever the cache holds there."""
+        q, k, v = self.project(x_BTD, rope, share_kv=False)
+        cache = tuple(
+            jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v))
+        )
+        queries = start + jnp.arange(x_BTD.shape[1])
+        out = grouped_attention(q, *cache, True, self.scale, self.softcap, window=window, q_index=queries)
+        return self.output(out), cache

@@ -1,0 +1,204 @@
+"""Context parallelism: a sequence split over `mesh.context`, attention by all-gather or a ring,
+tokens reordered so that every shard does the same causal work, and packed documents kept apart
+by segment ids, never by a (T, T) mask."""
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from podtrain.config.load import load_config
+from podtrain.models.attention import grouped_attention
+from podtrain.models.attention.context import context_attention
+from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import balanced_order, logical_sharding, sharded_jit
+from podtrain.train.job import build
+from podtrain.train.state import model_fns
+from podtrain.train.tasks.language import next_token_loss, sequence_loss
+
+from helpers import SMALL, run_steps
+
+SEQ = 256
+LONG = [*SMALL, f"train.seq_len={SEQ}", f"model.max_seq_len={SEQ}", "model.vocab_size=64", "train.batch_size=4"]
+EOS = 0  # ends a document in the packed cases
+
+
+def _tokens(batch: int = 4) -> jax.Array:
+    """Windows (batch, SEQ + 1) of random tokens, with an EOS every 20 to 90 tokens."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, (batch, SEQ + 1))
+    for row in tokens:
+        at = np.cumsum(rng.integers(20, 90, 8))
+        row[at[at < SEQ]] = EOS
+    return jnp.asarray(tokens, jnp.int32)
+
+
+def loss_and_grads(overrides, n_devices, packed, reset_positions=False):
+    """The next-token loss of `_tokens()` and its gradients, on the mesh of `overrides`."""
+    cfg = load_config(None, [*LONG, *overrides])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:n_devices])
+    fns = model_fns(cfg, mesh)
+    loss = partial(next_token_loss, eos_id=EOS if packed else None, reset_positions=reset_positions)
+
+    def fn(params, tokens):
+        return jax.value_and_grad(lambda p: loss(fns.module(p), None, tokens, None)[0])(params)
+
+    tokens = jax.device_put(_tokens(), logical_sharding(("act_batch", None), (4, SEQ + 1), mesh))
+    return jax.device_get(sharded_jit(fn, mesh)(fns.init(jax.random.key(0)), tokens))
+
+
+CASES = {  # name: (overrides, packed documents)
+    "context8-all_gather-packed": (["mesh.data=1", "mesh.context=8"], True),
+    "context8-ring": (["mesh.data=1", "mesh.context=8", "model.context_attention=ring"], False),
+    "data2-context4-ring-packed": (["mesh.data=2", "mesh.context=4", "model.context_attention=ring"], True),
+    "context2-fsdp2-tensor2-all_gather-packed": (
+        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        True,
+    ),
+    "context2-fsdp2-tensor2-ring": (
+        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "model.context_attention=ring"],
+        False,
+    ),
+    "context4-ring-windows-packed": (
+        ["mesh.data=2", "mesh.context=4", "model.context_attention=ring", "model.sliding_window=48"],
+        True,
+    ),
+    "mhc-data2-context4-all_gather-packed": (["model.name=mhc", "mesh.data=2", "mesh.context=4"], True),
+    "mhc-context2-tensor2-fsdp2-ring": (
+        ["model.name=mhc", "mesh.data=1", "mesh.context=2", "mesh.tensor=2", "mesh.fsdp=2"],
+        False,
+    ),
+}
+_one_device = {}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_split_sequence_equals_one_device(case):
+    """Loss and gradients with the sequence split over context shards (and the other axes), by
+    either strategy, with and without packed documents, equal one device's within 1e-5."""
+    overrides, packed = CASES[case]
+    family = [o for o in overrides if o.startswith("model.")]
+    key = (tuple(family), packed)
+    if key not in _one_device:
+        _one_device[key] = loss_and_grads([*family, "mesh.data=1"], 1, packed)
+    loss, grads = loss_and_grads(overrides, 8, packed)
+    ref_loss, ref_grads = _one_device[key]
+    np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), grads, ref_grads)
+
+
+def test_training_steps_with_a_split_sequence_equal_one_device():
+    """Whole training steps (optimizer and all) on data=2 x context=4 follow one device's."""
+    steps = [*SMALL, "train.seq_len=64", "model.max_seq_len=64"]
+    ref_losses, ref_params = run_steps([*steps, "mesh.data=1"], n_devices=1, n_steps=2)
+    losses, params = run_steps([*steps, "mesh.data=2", "mesh.context=4", "model.context_attention=ring"], 8, 2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
+
+
+def test_reset_positions_under_a_split_sequence_equal_one_device():
+    """Positions that restart with each document travel with their tokens when reordered (were
+    they left behind, causality inside a document would break)."""
+    ref_loss, ref_grads = loss_and_grads(["mesh.data=1"], 1, True, reset_positions=True)
+    loss, grads = loss_and_grads(["mesh.data=2", "mesh.context=4"], 8, True, reset_positions=True)
+    np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), grads, ref_grads)
+
+
+def _positions_seen(context: int) -> np.ndarray:
+    """The positions each context shard's queries have in the language task's loss (shards, T / shards)."""
+    seen = []
+
+    class Recorder:  # a model that notes the positions it is given
+        cfg = type("cfg", (), {"loss_chunk": 0})
+
+        def features(self, tokens, segments, positions):
+            seen.append(positions)
+            return None, jnp.zeros((*tokens.shape, 4))
+
+        def logits(self, table, x):
+            return x
+
+    mesh = build_mesh(load_config(None, ["mesh.data=1", f"mesh.context={context}"]).mesh, jax.devices()[:context])
+
+    def positions(tokens):
+        sequence_loss(Recorder(), tokens, tokens)
+        return seen[-1]
+
+    return np.asarray(sharded_jit(positions, mesh)(jnp.zeros((1, SEQ), jnp.int32)))[0].reshape(context, -1)
+
+
+@pytest.mark.parametrize("context", [2, 4, 8])
+def test_reordering_balances_causal_work_over_the_shards(context):
+    """Each shard's count of (query, key) pairs the causal mask lets through is within 10% of the
+    mean; in the natural order the last shard has about 2c - 1 times the first's."""
+    work = (_positions_seen(context) + 1).sum(axis=1)
+    assert np.abs(work / work.mean() - 1).max() < 0.1, work
+    natural = (np.arange(SEQ).reshape(context, -1) + 1).sum(axis=1)
+    assert natural[-1] / natural[0] > 2 * context - 1.5
+    assert sorted(balanced_order(8, 2)) == list(range(8)) and list(balanced_order(8, 2)) == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+def test_ring_attention_equals_all_gather_forward_and_backward():
+    """The two strategies, and attention on one device, give the same outputs and gradients, with
+    shuffled positions, segments and a window."""
+    mesh = build_mesh(load_config(None, ["mesh.data=1", "mesh.context=8"]).mesh, jax.devices())
+    b, t = 2, 128
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, 16)) for i, n in enumerate((4, 2, 2)))
+    order = balanced_order(t, 8)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    segments = jnp.asarray(np.repeat([[0, 1, 2, 3], [5, 5, 6, 6]], t // 4, axis=1))
+
+    def attend(strategy, q, k, v):
+        if strategy is None:
+            return grouped_attention(q, k, v, segments=(segments, segments), window=40)
+        shuffle = (q[:, order], k[:, order], v[:, order], positions[:, order], segments[:, order])
+        out = context_attention(*shuffle, 40, strategy=strategy, causal=True, scale=16**-0.5, softcap=0.0)
+        return out[:, np.argsort(order)]
+
+    results = {}
+    for strategy in (None, "all_gather", "ring"):
+        fn = sharded_jit(
+            lambda q, k, v, s=strategy: jax.value_and_grad(lambda *a: (attend(s, *a) ** 2).sum(), argnums=(0, 1, 2))(
+                q, k, v
+            ),
+            mesh,
+        )
+        results[strategy] = fn(q, k, v)
+    for strategy in ("all_gather", "ring"):
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), results[strategy], results[None]
+        )
+
+
+def test_a_long_split_sequence_needs_a_third_of_the_memory_and_no_t_by_t_array():
+    """The compiled train step of one window of 4,096 tokens: split over context=8, it needs at
+    most a third of the temporary memory per device that it needs whole (context=1), and no array
+    anywhere in either program has two dimensions of 4,096 (a T x T mask or score matrix)."""
+    t = 4096
+    steps = [*SMALL, f"train.seq_len={t}", f"model.max_seq_len={t}", "train.batch_size=1", "data.pack=documents"]
+    memory = {}
+    for context in (1, 8):
+        cfg = load_config(None, [*steps, "mesh.data=1", f"mesh.context={context}"])
+        job = build(cfg, build_mesh(cfg.mesh, jax.devices()[:context]), data=False)
+        compiled = job.step.lower(job.abstract_state, job.task.train_batch).compile()
+        memory[context] = compiled.memory_analysis().temp_size_in_bytes
+        square = re.findall(rf"\[[^\]]*\b{t}\b[^\]]*\b{t}\b[^\]]*\]", compiled.as_text())
+        assert not square, square[:3]
+    assert memory[8] <= memory[1] / 3, memory
+
+
+def test_mesh_context_aliases_and_a_sequence_that_does_not_split():
+    from podtrain.errors import ConfigError
+
+    assert load_config(None, ["mesh.cp=4"]).mesh.context == 4
+    assert load_config(None, ["mesh.sequence=2"]).mesh.context == 2
+    env = {"TPU_MESH_CONFIG": "2,4", "TPU_AXIS_NAMES": "data,cp"}
+    assert load_config(None, [], environ=env).mesh.context == 4
+    cfg = load_config(None, [*SMALL, "train.seq_len=36", "model.max_seq_len=36", "mesh.data=1", "mesh.context=4"])
+    with pytest.raises(ConfigError, match="make it a multiple of 8"):
+        build(cfg, build_mesh(cfg.mesh, jax.devices()[:4]), data=False)
+    with pytest.raises(ConfigError, match="context-parallel attention runs on model.attention=xla"):
+        load_config(None, [*LONG, "mesh.context=2", "model.attention=splash"])
