@@ -3,6 +3,7 @@ step, for one model on 8 fake CPU devices, and step time per token against one d
 
     python bench/collectives.py                          # the default (tiny) model
     python bench/collectives.py configs/llama_1b.yaml train.batch_size=16 --no-time
+    python bench/collectives.py train.seq_len=4096 train.batch_size=1 --meshes 1x1x1x1,1x1x8x1 --no-time
 
 Compiled ahead of time from abstract shapes, so a 1B-parameter model costs no memory here.
 Bytes are of the whole arrays each collective moves, times its executions per step (a layer
@@ -17,6 +18,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -24,9 +26,10 @@ from podtrain.config.checks import resolve_auto  # noqa: E402
 from podtrain.config.load import load_config  # noqa: E402
 from podtrain.planning.hlo import KINDS, collectives, summary  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
+from podtrain.sharding import AXES  # noqa: E402
 from podtrain.train.job import build, compile_step  # noqa: E402
 
-MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2)]
+MESHES = "1x1x1x1,8x1x1x1,1x8x1x1,1x1x1x8,2x2x1x2"  # data x fsdp x context x tensor
 MiB = 2**20
 
 
@@ -48,24 +51,21 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=10, help="timed steps per mesh")
     p.add_argument("--no-time", action="store_true", help="only compile: collectives and memory")
+    p.add_argument("--meshes", default=MESHES, help=f"{' x '.join(AXES)} shapes, comma-separated")
     args = p.parse_args()
     if args.config and "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], None
     print(f"{args.config or 'default model'} {' '.join(args.overrides)}")
     print(
-        f"{'mesh':>7} "
+        f"{'mesh':>9} "
         + " ".join(f"{k + ' MiB':>20}" for k in KINDS)
         + f" {'args MiB':>10} {'temp MiB':>10} {'ms/step':>9} {'x 1 device':>10}"
     )
     reference = None
-    for shape in MESHES:
-        overrides = [
-            "device_type=cpu",
-            *args.overrides,
-            *(f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), shape)),
-        ]
+    for shape in (tuple(map(int, m.split("x"))) for m in args.meshes.split(",")):
+        overrides = ["device_type=cpu", *args.overrides, *(f"mesh.{a}={s}" for a, s in zip(AXES, shape))]
         cfg = resolve_auto(load_config(args.config, overrides), "cpu")
-        mesh = build_mesh(cfg.mesh, jax.devices()[: shape[0] * shape[1] * shape[2]])
+        mesh = build_mesh(cfg.mesh, jax.devices()[: math.prod(shape)])
         compiled = compile_step(cfg, mesh)
         totals, memory = summary(collectives(compiled.as_text())), compiled.memory_analysis()
         timing = ""
@@ -74,7 +74,7 @@ def main() -> None:
             reference = reference or step
             timing = f" {step * 1e3:9.1f} {step / reference:10.2f}"
         print(
-            f"{'x'.join(map(str, shape)):>7} "
+            f"{'x'.join(map(str, shape)):>9} "
             + " ".join(f"{totals[k] / MiB:20.2f}" for k in KINDS)
             + f" {memory.argument_size_in_bytes / MiB:10.2f} {memory.temp_size_in_bytes / MiB:10.2f}"
             + timing

@@ -131,13 +131,18 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
 
 def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
     """fn run on each device's shard of arrays laid out by logical names (jax.shard_map), for
-    kernels XLA cannot partition (Pallas); fn itself outside `sharded_jit`."""
+    kernels XLA cannot partition (Pallas) and collectives along a logical axis (`gather`,
+    `pass_on`); fn itself outside `sharded_jit`. An entry of `in_names` may instead be a function
+    of the mesh giving that argument's partition specs (a kernel's own); the output is laid out
+    like the first argument."""
     mesh = _TRACING_MESH.get()
     if mesh is None:
         return fn
 
     def run(*arrays):
-        specs = tuple(logical_spec(names, x.shape, mesh) for names, x in zip(in_names, arrays))
+        specs = tuple(
+            names(mesh) if callable(names) else logical_spec(names, x.shape, mesh) for names, x in zip(in_names, arrays)
+        )
         out_spec = logical_spec(out_names, arrays[0].shape, mesh)
         return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
 

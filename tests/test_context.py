@@ -173,6 +173,34 @@ def test_ring_attention_equals_all_gather_forward_and_backward():
         )
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_splash_over_a_split_sequence_equals_attention_on_one_device(window):
+    """The splash kernel (run by its interpreter) on context=2 x tensor=2: queries in balanced order,
+    every shard's keys gathered and put back in position order, the mask cut by query rows;
+    outputs and gradients equal the xla attention's on one device, with segments and a window."""
+    from podtrain.models.attention import splash_attention
+
+    mesh = build_mesh(load_config(None, ["mesh.data=1", "mesh.context=2", "mesh.tensor=2"]).mesh, jax.devices()[:4])
+    b, t = 2, 256
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, 32)) for i, n in enumerate((4, 2, 2)))
+    order = balanced_order(t, 2)
+    segments = jnp.asarray(np.repeat([[0, 1, 2, 3], [5, 5, 6, 6]], t // 4, axis=1))
+
+    def split(q, k, v):
+        shuffled = (x[:, order] for x in (q, k, v))
+        out = splash_attention(*shuffled, interpret=True, window=window, segments=segments[:, order], order=order)
+        return out[:, np.argsort(order)]
+
+    def whole(q, k, v):
+        return grouped_attention(q, k, v, segments=(segments, segments), window=window or None)
+
+    def grads(attend):
+        return jax.value_and_grad(lambda *a: (attend(*a) ** 2).sum(), argnums=(0, 1, 2))
+
+    ours, reference = sharded_jit(grads(split), mesh)(q, k, v), jax.jit(grads(whole))(q, k, v)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4), ours, reference)
+
+
 def test_a_long_split_sequence_needs_a_third_of_the_memory_and_no_t_by_t_array():
     """The compiled train step of one window of 4,096 tokens: split over context=8, it needs at
     most a third of the temporary memory per device that it needs whole (context=1), and no array
@@ -200,5 +228,7 @@ def test_mesh_context_aliases_and_a_sequence_that_does_not_split():
     cfg = load_config(None, [*SMALL, "train.seq_len=36", "model.max_seq_len=36", "mesh.data=1", "mesh.context=4"])
     with pytest.raises(ConfigError, match="make it a multiple of 8"):
         build(cfg, build_mesh(cfg.mesh, jax.devices()[:4]), data=False)
-    with pytest.raises(ConfigError, match="context-parallel attention runs on model.attention=xla"):
-        load_config(None, [*LONG, "mesh.context=2", "model.attention=splash"])
+    with pytest.raises(ConfigError, match="make train.seq_len a multiple of 512"):
+        load_config(None, [*LONG, "mesh.context=4", "model.attention=splash"])
+    with pytest.raises(ConfigError, match="which cuDNN's fused attention cannot attend across"):
+        load_config(None, [*LONG, "mesh.context=2", "model.attention=cudnn", "model.compute_dtype=bfloat16"])

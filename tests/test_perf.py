@@ -86,7 +86,8 @@ def test_grouped_attention_equals_dot_product_attention(causal, documents):
         out, pullback = jax.vjp(attend, q, k, v)
         return out, pullback(cotangent)
 
-    ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, mask, causal), q, k, v)
+    pair = (segments, segments) if documents else None  # the same rule in O(T): segment ids
+    ours = with_grads(lambda q, k, v: grouped_attention(q, k, v, causal, segments=pair), q, k, v)
     reference = with_grads(
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla"),
         q,

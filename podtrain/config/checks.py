@@ -67,10 +67,16 @@ def validate(cfg: Config) -> None:
             f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
             f"data.path=FILE_OR_DIR (not data.source={data.source})."
         )
-    if cfg.mesh.context != 1 and attention in ("cudnn", "splash"):
+    if cfg.mesh.context != 1 and attention == "cudnn":
         raise ConfigError(
-            f"mesh.context={cfg.mesh.context} splits the sequence, and context-parallel attention runs on "
-            f"model.attention=xla for now, not {attention}; use model.attention=xla (or auto)."
+            f"mesh.context={cfg.mesh.context} splits the sequence, which cuDNN's fused attention cannot attend "
+            "across; use model.attention=xla (or auto, which does on a GPU), or mesh.context=1."
+        )
+    split = max(cfg.mesh.context, 1)
+    if attention == "splash" and split > 1 and getattr(t, "seq_len", 1) % (SPLASH_BLOCK * split):
+        raise ConfigError(
+            f"model.attention=splash with mesh.context={split} gives each shard whole blocks of {SPLASH_BLOCK} "
+            f"queries: make train.seq_len a multiple of {SPLASH_BLOCK * split}, or use model.attention=xla."
         )
     if attention == "cudnn" and (lacking := cudnn_lacks(cfg.model)):
         raise ConfigError(
@@ -113,9 +119,9 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
-        fused = "cudnn" if cudnn_ok else "splash" if splash_ok else "xla"
-        if cfg.mesh.context != 1:
-            fused = "xla"  # the context-parallel strategies are written in XLA operations
+        split = max(cfg.mesh.context, 1)
+        splash_ok = splash_ok and getattr(cfg.train, "seq_len", 1) % (SPLASH_BLOCK * split) == 0
+        fused = "cudnn" if cudnn_ok and cfg.mesh.context == 1 else "splash" if splash_ok else "xla"
         if fused == "cudnn" and (cudnn_lacks(m) or cfg.data.pack == "documents" or cfg.data.format == "chat"):
             fused = "xla"  # what cuDNN's kernel cannot keep apart
         m.attention = fused

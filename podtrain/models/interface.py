@@ -45,7 +45,9 @@ class LanguageModel(Protocol):
         (B, T) int32, a token attends only to earlier tokens of its own segment (packed documents),
         and never through a (T, T) mask: the model is given O(T) of it. `positions` (B, T) int32
         are the tokens' positions for the model's position encoding (default 0..T-1; they restart
-        at each document with data.reset_positions)."""
+        at each document with data.reset_positions). Where the mesh splits the sequence (context
+        parallelism), tokens given with positions are in `sharding.balanced_order`, the order in
+        which every shard does the same causal work; without, the model puts them in it."""
 
     def logits(self, head: Any, x: jax.Array) -> jax.Array:
         """(B, t, D) states of any t positions -> (B, t, V) float32 logits."""

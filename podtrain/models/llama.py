@@ -8,6 +8,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from podtrain.config.schema import ModelConfig, key, same_key
@@ -29,7 +30,7 @@ from podtrain.models.layers import (
     scan_layers,
     stacked,
 )
-from podtrain.sharding import constrain
+from podtrain.sharding import balanced_order, constrain, shards
 from podtrain.train.tasks.language import LanguageTask
 
 
@@ -227,6 +228,12 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """The embedding table and the last block's output (batch, seq, d_model): `logits` of the
         two, whole or a slice of the positions at a time, are the model's output."""
+        t = tokens.shape[1]
+        if positions is None and (split := shards("act_seq", t)) > 1:  # put in the order a split sequence takes
+            order = balanced_order(t, split)
+            segments = None if segment_ids is None else segment_ids[:, order]
+            table, x = self.features(tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape))
+            return table, x[:, np.argsort(order)]
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
         x = scan_layers(

@@ -13,7 +13,7 @@ from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import fused_attention_stand_in, splash_attention
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
-from podtrain.sharding import constrain, shards
+from podtrain.sharding import balanced_order, constrain, shards
 
 
 class Attention(nnx.Module):
@@ -97,11 +97,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
-    def splash(self, q, k, v, segments, window) -> jax.Array:
+    def splash(self, q, k, v, segments, window, order=None) -> jax.Array:
         """The splash kernel with this layer's window: its mask is static, so a stack whose layers
         differ in window runs the kernel of each (lax.switch on the layer's own)."""
         kernels = [
-            partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w)
+            partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w, order=order)
             for w in (self.windows if window is not None else (0,))
         ]
         if len(kernels) == 1:
@@ -118,12 +118,14 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         """Causal self-attention of x, kept inside each segment of `segments` (batch, seq) if given
         (packed documents) and within a sliding `window` (a scalar, 0: none) if given. Tokens are
-        in order, unless the sequence is split over devices: then `positions` (batch, seq) say
-        where each token is (context-parallel attention; 0, 1, ... if not given).
+        in order, unless the sequence is split over devices: then they are in
+        `sharding.balanced_order` and `positions` (batch, seq) say where each token is.
         Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
         tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        if shards("act_seq", x_BTD.shape[1]) > 1:
+        if (split := shards("act_seq", x_BTD.shape[1])) > 1 and self.implementation == "splash":
+            out = self.splash(q, k, v, segments, window, order=balanced_order(x_BTD.shape[1], split))
+        elif split > 1:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
             out = context_attention(
