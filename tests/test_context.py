@@ -18,7 +18,7 @@ from podtrain.train.job import build
 from podtrain.train.state import model_fns
 from podtrain.train.tasks.language import next_token_loss, sequence_loss
 
-from helpers import SMALL, run_steps
+from helpers import SMALL, needs_libtpu, run_steps
 
 SEQ = 256
 LONG = [*SMALL, f"train.seq_len={SEQ}", f"model.max_seq_len={SEQ}", "model.vocab_size=64", "train.batch_size=4"]
@@ -216,6 +216,71 @@ def test_a_long_split_sequence_needs_a_third_of_the_memory_and_no_t_by_t_array()
         square = re.findall(rf"\[[^\]]*\b{t}\b[^\]]*\b{t}\b[^\]]*\]", compiled.as_text())
         assert not square, square[:3]
     assert memory[8] <= memory[1] / 3, memory
+
+
+def test_the_bytes_each_strategy_moves_along_the_context_axis():
+    """Collectives are attributed to the mesh axes their devices differ along: on fsdp=2 x
+    context=4 both strategies move K and V along `context` (the ring as collective permutes, the
+    all-gather as gathers), and without a context axis nothing travels along it."""
+    from podtrain.planning import hlo
+    from podtrain.runtime.mesh import resolve_shape
+
+    moved = {}
+    for name, overrides in {
+        "all_gather": ["mesh.context=4"],
+        "ring": ["mesh.context=4", "model.context_attention=ring"],
+        "none": ["mesh.data=4"],
+    }.items():
+        cfg = load_config(None, [*LONG, "train.batch_size=8", "mesh.data=1", "mesh.fsdp=2", *overrides])
+        job = build(cfg, build_mesh(cfg.mesh, jax.devices()), data=False)
+        found = hlo.collectives(job.step.lower(job.abstract_state, job.task.train_batch).compile().as_text())
+        moved[name] = hlo.by_axes(found, resolve_shape(cfg.mesh, 8))
+        permuted = [c for c in found if c.kind == "collective-permute"]
+        assert bool(permuted) == (name == "ring")
+        assert all(hlo.mesh_axes(c, resolve_shape(cfg.mesh, 8)) == ("context",) for c in permuted)
+    assert moved["all_gather"]["context"] > moved["ring"]["context"] > 0
+    assert "context" not in moved["none"] and moved["none"]["fsdp"] > 0
+
+
+def test_replica_groups_in_every_form_name_their_mesh_axes():
+    from podtrain.planning.hlo import Collective, mesh_axes
+
+    mesh = {"data": 2, "fsdp": 1, "context": 2, "tensor": 2}  # device id = 4 data + 2 context + tensor
+
+    def axes(groups):
+        return mesh_axes(Collective("all-gather", (), "f32", 0, None, groups, 1, "main"), mesh)
+
+    assert axes("{{0,2},{1,3},{4,6},{5,7}}") == ("context",)
+    assert axes("[4,2]<=[8]") == ("tensor",)
+    assert axes("[2,4]<=[2,4]T(1,0)") == ("data", "tensor")  # ids 0 and 4: data; the other groups: tensor
+    assert axes("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}") == ("data",)
+    # mesh position (i, j) holds device id 2j + i: along axis_1 the ids 0, 2, 4, 6
+    assert axes("mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}") == ("data", "context")
+
+
+@needs_libtpu
+def test_a_split_sequence_compiles_for_tpu_with_splash():
+    """Ahead of time for a v5p-8 (4 chips): 8,192 tokens over context=4 run the splash kernel (auto
+    picks it), its mask cut by query rows per chip, K and V gathered along `context` (and nothing
+    along another axis); the step fits a chip and no array has two dimensions of 8,192."""
+    from podtrain.planning import hlo, plan
+    from podtrain.planning import targets as hardware
+    from podtrain.runtime.mesh import resolve_shape
+
+    t = 8192
+    cfg = load_config(
+        None,
+        [*SMALL, f"train.seq_len={t}", f"model.max_seq_len={t}", "train.batch_size=2", "data.pack=documents"]
+        + ["mesh.data=1", "mesh.context=4", "model.compute_dtype=bfloat16", "device_type=tpu"],
+    )
+    target = hardware.target("v5p-8")
+    cfg = plan.for_target(cfg, target)
+    assert cfg.model.attention == "splash"
+    compiled = build(cfg, build_mesh(cfg.mesh, target.devices), data=False).compile()
+    moved = hlo.by_axes(hlo.collectives(compiled.as_text()), resolve_shape(cfg.mesh, 4))
+    assert moved["context"] > 0 and set(moved) == {"context"}
+    assert compiled.memory_analysis().temp_size_in_bytes < target.chip.memory
+    assert not re.findall(rf"\[[^\]]*\b{t}\b[^\]]*\b{t}\b[^\]]*\]", compiled.as_text())
 
 
 def test_mesh_context_aliases_and_a_sequence_that_does_not_split():

@@ -135,6 +135,9 @@ def test_flops_count_a_sliding_layers_window_not_the_sequence():
 
     cfg = load_config(None, ["model.head_dim=48"]).model
     full = flops_per_token(cfg, 10**6, 256)
-    assert full == 6 * 10**6 + 12 * cfg.n_heads * 48 * 256 * cfg.n_layers
+    assert full == 6 * 10**6 + 12 * cfg.n_heads * 48 * (256 + 1) / 2 * cfg.n_layers  # keys seen, causally
     windowed = dataclasses.replace(cfg, sliding_window=64, full_attention_layers=[0])
-    assert full - flops_per_token(windowed, 10**6, 256) == 12 * cfg.n_heads * 48 * (256 - 64) * (cfg.n_layers - 1)
+    seen = (64 * 65 / 2 + (256 - 64) * 64) / 256  # 1..64 keys for the first 64 queries, then 64 each
+    assert full - flops_per_token(windowed, 10**6, 256) == pytest.approx(
+        12 * cfg.n_heads * 48 * ((256 + 1) / 2 - seen) * (cfg.n_layers - 1), rel=1e-12
+    )

@@ -84,15 +84,16 @@ def test_fsdp_collectives_are_the_analytic_volume():
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_compiled_matmul_flops_match_the_model(remat):
-    """Counted in the HLO with each scanned layer once per layer: the model's 6N + 12LdT (within
-    the embedding lookup, which is no matmul), less the scores that causal blocks skip; more
-    under full remat, whose forward runs twice."""
+    """Counted in the HLO with each scanned layer once per layer: the model's 6N + 12LdT (T the
+    keys a query sees, (T + 1) / 2 causally; within the embedding lookup, which is no matmul),
+    plus the masked scores that causal blocks still compute; more under full remat, whose
+    forward runs twice."""
     cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, f"model.remat={remat}", "model.tie_embeddings=false"])
     p = plan.plan(cfg, cpu(8))
     m, t = p.cfg.model, p.cfg.train.seq_len
     blocks = causal_blocks(t)
-    skipped = 12 * m.n_layers * m.d_model * t * (1 - (blocks + 1) / (2 * blocks)) * p.tokens_per_step
-    counted = p.matmul_flops * 8 / (p.flops_per_step - skipped)
+    masked = 12 * m.n_layers * m.d_model * ((blocks + 1) / (2 * blocks) * t - (t + 1) / 2) * p.tokens_per_step
+    counted = p.matmul_flops * 8 / (p.flops_per_step + masked)
     if remat == "none":
         assert counted == pytest.approx(1.0, rel=0.02)
     else:
@@ -201,7 +202,7 @@ def test_gpu_target_is_an_estimate_in_json():
 
     assert report["tokens_per_step"] == t.batch_size * t.seq_len
     assert m.tie_embeddings  # so every weight, the embedding too, is in a matmul: 6N + 12LdT per token
-    per_token = 6 * param_bytes / 4 + 12 * m.n_layers * m.d_model * t.seq_len
+    per_token = 6 * param_bytes / 4 + 12 * m.n_layers * m.d_model * (t.seq_len + 1) / 2
     assert report["flops_per_step"] == per_token * report["tokens_per_step"]
     assert 0.5 * report["flops_per_step"] < report["matmul_flops_per_device"] <= report["flops_per_step"]
     times = report["times_s"]

@@ -325,12 +325,19 @@ class Llama(nnx.Module):
 
 def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4), plus
-    attention scores and values, 12 * n_heads * head_dim * keys per layer (PaLM appendix B, where
-    keys = seq_len; the causal mask's saving is not subtracted), a sliding layer's keys at most its
-    window. The embedding lookup is free unless tied to the head."""
+    attention scores and values, 12 * n_heads * head_dim per key a query sees, counted causally
+    (PaLM appendix B counts all seq_len keys; a causal query sees (seq_len + 1) / 2 on average, as
+    MaxText counts), a sliding layer's at most its window. The embedding lookup is free unless
+    tied to the head."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    keys = [min(w or seq_len, seq_len) for w in cfg.layer_windows() or [0] * cfg.n_layers]
+    keys = [causal_keys(seq_len, w) for w in cfg.layer_windows() or [0] * cfg.n_layers]
     return 6 * matmul_params + 12 * cfg.n_heads * cfg.head_size * sum(keys)
+
+
+def causal_keys(t: int, window: int = 0) -> float:
+    """The keys a causal query of a t-token window sees, on average: query i sees min(i + 1, window)."""
+    w = min(window or t, t)
+    return (w * (w + 1) / 2 + (t - w) * w) / t
 
 
 # The embedded tiny job's layer sizes: --use-small-model makes any Llama recipe this small.

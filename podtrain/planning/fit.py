@@ -49,10 +49,13 @@ class Memory:
         return self.params + self.optimizer + self.gradients
 
     def summary(self) -> str:
-        """'params A + optimizer B + temporaries C (gradients D among them) = T per device of L'."""
+        """'params A + optimizer B + temporaries C (gradients D, activations and work space E) = T
+        per device of L'."""
+        rest = None if self.temporaries is None else self.temporaries - self.gradients
         return (
             f"params {size(self.params)} + optimizer {size(self.optimizer)} + temporaries {size(self.temporaries)} "
-            f"(gradients {size(self.gradients)} among them) = {size(self.total)} per device of {size(self.available)}"
+            f"(gradients {size(self.gradients)}, activations and work space {size(rest)}) = {size(self.total)} per "
+            f"device of {size(self.available)}"
         )
 
 

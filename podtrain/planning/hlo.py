@@ -14,6 +14,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {
     "pred": 1,
@@ -52,6 +54,9 @@ _GROUPS = re.compile(
     r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"  # an iota
     r"|mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\})"  # mesh axes
 )
+
+
+_PAIRS = re.compile(r"source_target_pairs=(\{\{[\d,{}]*\}\})")  # a permute's (source, target) devices
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,7 @@ def collectives(hlo: str) -> list[Collective]:
                 # (inputs, outputs), then the TPU's scalar u32 contexts: the outputs are what moves
                 arrays = [a for a in arrays if a[1]]
                 arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
-            groups = _GROUPS.search(line)
+            groups = _GROUPS.search(line) or _PAIRS.search(line)
             group_size = _group_size(groups.group(1)) if groups else None
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
             if kind == "reduce-scatter":
@@ -211,6 +216,48 @@ def _sliced_by_root(lines: list[str], instruction: str) -> bool:
     """Whether a computation's lines return a dynamic slice of `instruction`."""
     root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
     return bool(re.search(r"\sdynamic-slice\(%?" + re.escape(instruction) + r"[,)]", root))
+
+
+def _devices_together(groups: str) -> list[int]:
+    """The device ids of one replica group (or one permute's source and target), from any of the forms."""
+    if groups.startswith("{{"):
+        return [int(d) for d in groups[2:].split("}")[0].split(",")]
+    if groups.startswith("["):  # an iota: [groups,size]<=[dims], transposed by T(perm) if given
+        shape, iota = (dims(part) for part in re.findall(r"\[([\d,]+)\]", groups)[:2])
+        return _iota(iota, re.search(r"T\(([\d,]+)\)", groups)).reshape(shape)[0].tolist()
+    if groups.startswith("mesh"):  # mesh['axis_0'=2,...], device_ids=([dims]T(perm)) {'axis_0'}: one group
+        sizes = [int(n) for n in re.findall(r"'axis_\d+'=(\d+)", groups.split("]")[0])]
+        order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", groups)
+        ids = (
+            _iota(dims(order.group(1)), order if order.group(2) else None, 2) if order else np.arange(math.prod(sizes))
+        )
+        named = {int(i) for i in re.findall(r"'axis_(\d+)'", groups.rsplit("{", 1)[1])}
+        return ids.reshape(sizes)[tuple(slice(None) if i in named else 0 for i in range(len(sizes)))].ravel().tolist()
+    return []
+
+
+def _iota(shape: tuple[int, ...], transpose, group: int = 1) -> np.ndarray:
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose(dims(transpose.group(group))) if transpose else ids
+
+
+def mesh_axes(c: Collective, mesh: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (sizes by name, in the mesh's order) along which a collective's devices
+    differ: where its bytes travel. Device ids count through the mesh in its order."""
+    ids = _devices_together(c.replica_groups)
+    if len(ids) < 2:
+        return ()
+    coords = np.array(np.unravel_index(ids, tuple(mesh.values())))
+    return tuple(axis for axis, row in zip(mesh, coords) if len(set(row)) > 1)
+
+
+def by_axes(found: list[Collective], mesh: dict[str, int]) -> dict[str, int]:
+    """Bytes per run of the program, by the mesh axes they travel along ('context', 'data+fsdp')."""
+    totals: dict[str, int] = {}
+    for c in found:
+        name = "+".join(mesh_axes(c, mesh)) or "-"
+        totals[name] = totals.get(name, 0) + c.total_bytes
+    return totals
 
 
 def summary(found: list[Collective]) -> dict[str, int]:

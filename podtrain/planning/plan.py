@@ -13,7 +13,8 @@ per iteration), and the step time from a roofline over the chip's constants (`ru
                all-gather, reduce-scatter and all-to-all (n-1)/n, a permute all of it)
     step     = max(compute, memory, network)   (XLA overlaps collectives with compute)
 
-MFU is the model's FLOPs (6N + 12LdT per token, `models.flops_per_token`) over the step at peak:
+MFU is the model's FLOPs (6N + 12LdT per token, T the keys a causal query sees: (seq + 1) / 2;
+`models.flops_per_token`) over the step at peak:
 what a perfect run at the roofline would reach, an upper bound for the real one.
 """
 
@@ -47,6 +48,7 @@ class Plan:
     xla_cost_flops: float | None  # per device, XLA's cost_analysis(): a scanned layer counted once
     traffic: float | None = None  # bytes per device read and written in device memory per step
     collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
+    axes_bytes: dict = field(default_factory=dict)  # bytes per device per step, by the mesh axes they travel
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
     top_bytes: list[cost.Operation] = field(default_factory=list)  # the operations moving the most bytes
@@ -128,7 +130,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         found = hlo.collectives(text)
         result.matmul_flops = float(cost.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
-        result.collectives = hlo.summary(found)
+        result.collectives, result.axes_bytes = hlo.summary(found), hlo.by_axes(found, result.mesh)
         ops = cost.operations(text, through_converts=target.estimate)
         result.traffic = float(sum(o.bytes for o in ops))
         result.top_bytes, result.top_flops = cost.top(ops, TOP_KEPT, "bytes"), cost.top(ops, TOP_KEPT, "flops")
@@ -194,6 +196,7 @@ def as_json(p: Plan, top: int = 0) -> dict:
         "xla_cost_analysis_flops_per_device": p.xla_cost_flops,
         "memory_traffic_bytes_per_device": p.traffic,
         "collective_bytes_per_device": p.collectives,
+        "collective_bytes_by_mesh_axes": p.axes_bytes,
         "times_s": p.times,
         "step_time_s": p.step_time,
         "tokens_per_step": p.tokens_per_step,
@@ -259,7 +262,10 @@ def report(p: Plan, top: int = 0) -> str:
         else "traffic     -",
         "network     "
         + (", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in p.collectives.items() if v) or "no collectives")
-        + " per device per step",
+        + " per device per step"
+        + (
+            f"; along {', '.join(f'{k} {v / 2**20:,.1f} MiB' for k, v in p.axes_bytes.items())}" if p.axes_bytes else ""
+        ),
         f"speed       {_speed(p)}" + (" [estimate]" if p.target.estimate else ""),
     ]
     if p.times:
