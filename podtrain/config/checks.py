@@ -73,6 +73,11 @@ def validate(cfg: Config) -> None:
             "across; use model.attention=xla (or auto, which does on a GPU), or mesh.context=1."
         )
     split = max(cfg.mesh.context, 1)
+    if attention == "splash" and cfg.mesh.context != 1 and getattr(cfg.model, "context_attention", "") == "ring":
+        raise ConfigError(
+            "model.context_attention=ring passes keys round the context shards in XLA operations; the splash "
+            "kernel gathers them (all_gather). Use model.attention=xla (or auto) with ring, or all_gather with splash."
+        )
     if attention == "splash" and split > 1 and getattr(t, "seq_len", 1) % (SPLASH_BLOCK * split):
         raise ConfigError(
             f"model.attention=splash with mesh.context={split} gives each shard whole blocks of {SPLASH_BLOCK} "
@@ -121,6 +126,7 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
         split = max(cfg.mesh.context, 1)
         splash_ok = splash_ok and getattr(cfg.train, "seq_len", 1) % (SPLASH_BLOCK * split) == 0
+        splash_ok = splash_ok and not (split > 1 and getattr(m, "context_attention", "") == "ring")
         fused = "cudnn" if cudnn_ok and cfg.mesh.context == 1 else "splash" if splash_ok else "xla"
         if fused == "cudnn" and (cudnn_lacks(m) or cfg.data.pack == "documents" or cfg.data.format == "chat"):
             fused = "xla"  # what cuDNN's kernel cannot keep apart

@@ -155,10 +155,17 @@ def advice(memory: Memory, n_devices: int, fix: dict | None) -> str:
     need = f"needs {memory.total / GiB:.2f} GiB per device of {memory.available / GiB:.2f} GiB"
     if fix:
         return f"The step {need}. The smallest change that fits: {describe(fix)}."
+    devices = devices_needed(memory)
+    more = (
+        f"Use more devices: about {devices} with the mesh's fsdp axis over them."
+        if devices > n_devices
+        else f"Over all {n_devices} devices fsdp would hold those in {memory.whole_state / n_devices / GiB:.2f} GiB "
+        "each; what does not fit is the activations: split them over more devices (mesh.context for long "
+        "windows) or shorten train.seq_len."
+    )
     return (
         f"The step {need}, and no change of mesh, remat or microbatch on {n_devices} devices fits "
-        f"(weights, gradients and optimizer state alone are {memory.state / GiB:.2f} GiB per device). "
-        f"Use more devices: about {devices_needed(memory)} with the mesh's fsdp axis over them."
+        f"(weights, gradients and optimizer state alone are {memory.state / GiB:.2f} GiB per device). {more}"
     )
 
 

@@ -45,7 +45,7 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     t, n, head_dim = q_BTNH.shape[1:]
-    k_BTNH, v_BTNH = (jnp.repeat(x, n // x.shape[2], axis=2) for x in (k_BTKH, v_BTKH))
+    group = n // k_BTKH.shape[2]
     order = np.arange(t) if order is None else order
     split, unsplit = shards("act_seq", t), np.argsort(order)  # keys back in position order
     mask = _sight(masks)((t, t), order, causal, window)
@@ -62,7 +62,7 @@ def splash_attention(
 
     def local(q, k, v, *rest):  # this device's (batch, seq, heads, head_dim), as (batch, heads, seq, head_dim)
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
-        k, v = whole(k, 2), whole(v, 2)
+        k, v = (jnp.repeat(whole(x, 2), group, axis=1) for x in (k, v))  # gathered before the copies per query head
         q = q * jnp.asarray(scale or head_dim**-0.5, q.dtype)
         kernel = rest[-1]
         if len(rest) == 1:
@@ -73,7 +73,7 @@ def splash_attention(
     def kernel_spec(mesh):  # each device's share of the mask's blocks: its heads and its query rows
         return kernel.manual_sharding_spec(NamedSharding(mesh, logical_spec(("act_heads", "act_seq"), (n, t), mesh)))
 
-    arrays = (q_BTNH, k_BTNH, v_BTNH) + (() if segments is None else (segments,))
+    arrays = (q_BTNH, k_BTKH, v_BTKH) + (() if segments is None else (segments,))
     names = (HEADS,) * 3 + (() if segments is None else (SEGMENTS,))
     return per_shard(local, (*names, kernel_spec), HEADS)(*arrays, kernel)
 
