@@ -49,25 +49,19 @@ def loss_and_grads(overrides, n_devices, packed, reset_positions=False):
     return jax.device_get(sharded_jit(fn, mesh)(fns.init(jax.random.key(0)), tokens))
 
 
-CASES = {  # name: (overrides, packed documents)
-    "context8-all_gather-packed": (["mesh.data=1", "mesh.context=8"], True),
+CASES = {  # name: (overrides, packed documents); together: context 2, 4 and 8, both strategies, every axis
     "context8-ring": (["mesh.data=1", "mesh.context=8", "model.context_attention=ring"], False),
-    "data2-context4-ring-packed": (["mesh.data=2", "mesh.context=4", "model.context_attention=ring"], True),
-    "context2-fsdp2-tensor2-all_gather-packed": (
-        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "data2-context4-all_gather-packed": (["mesh.data=2", "mesh.context=4"], True),
+    "context2-fsdp2-tensor2-ring-packed": (
+        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "model.context_attention=ring"],
         True,
     ),
-    "context2-fsdp2-tensor2-ring": (
-        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "model.context_attention=ring"],
-        False,
-    ),
-    "context4-ring-windows-packed": (
+    "data2-context4-ring-windows-packed": (
         ["mesh.data=2", "mesh.context=4", "model.context_attention=ring", "model.sliding_window=48"],
         True,
     ),
-    "mhc-data2-context4-all_gather-packed": (["model.name=mhc", "mesh.data=2", "mesh.context=4"], True),
-    "mhc-context2-tensor2-fsdp2-ring": (
-        ["model.name=mhc", "mesh.data=1", "mesh.context=2", "mesh.tensor=2", "mesh.fsdp=2"],
+    "mhc-context2-fsdp2-tensor2-all_gather": (
+        ["model.name=mhc", "mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2"],
         False,
     ),
 }
@@ -260,17 +254,17 @@ def test_replica_groups_in_every_form_name_their_mesh_axes():
 
 @needs_libtpu
 def test_a_split_sequence_compiles_for_tpu_with_splash():
-    """Ahead of time for a v5p-8 (4 chips): 8,192 tokens over context=4 run the splash kernel (auto
+    """Ahead of time for a v5p-8 (4 chips): 4,096 tokens over context=4 run the splash kernel (auto
     picks it), its mask cut by query rows per chip, K and V gathered along `context` (and nothing
-    along another axis); the step fits a chip and no array has two dimensions of 8,192."""
+    along another axis); the step fits a chip and no array has two dimensions of 4,096."""
     from podtrain.planning import hlo, plan
     from podtrain.planning import targets as hardware
     from podtrain.runtime.mesh import resolve_shape
 
-    t = 8192
+    t = 4096
     cfg = load_config(
         None,
-        [*SMALL, f"train.seq_len={t}", f"model.max_seq_len={t}", "train.batch_size=2", "data.pack=documents"]
+        [*SMALL, f"train.seq_len={t}", f"model.max_seq_len={t}", "train.batch_size=1", "data.pack=documents"]
         + ["mesh.data=1", "mesh.context=4", "model.compute_dtype=bfloat16", "device_type=tpu"],
     )
     target = hardware.target("v5p-8")
@@ -281,6 +275,30 @@ def test_a_split_sequence_compiles_for_tpu_with_splash():
     assert moved["context"] > 0 and set(moved) == {"context"}
     assert compiled.memory_analysis().temp_size_in_bytes < target.chip.memory
     assert not re.findall(rf"\[[^\]]*\b{t}\b[^\]]*\b{t}\b[^\]]*\]", compiled.as_text())
+
+
+def test_sweep_tries_context_sizes_when_the_config_splits_the_sequence(monkeypatch):
+    """`plan --sweep` on 8 devices: with mesh.context=2 every data x fsdp x context x tensor of 8 is
+    planned (20 shapes, 3 remat policies each); a config that keeps the sequence whole keeps
+    context=1. Each shape is planned as the config it names."""
+    from types import SimpleNamespace
+
+    from podtrain.planning import plan
+    from podtrain.planning import targets as hardware
+
+    planned = []
+
+    def record(cfg, target, remedy=True):
+        planned.append(tuple(getattr(cfg.mesh, a) for a in ("data", "fsdp", "context", "tensor")))
+        return SimpleNamespace(fits=True, tokens_per_sec=1.0)
+
+    monkeypatch.setattr(plan, "plan", record)
+    target = hardware.target("cpu:8")
+    plan.sweep(load_config(None, [*LONG, "mesh.context=2", "mesh.data=-1"]), target)
+    assert len(planned) == 3 * 20 and len(set(planned)) == 20 and (1, 1, 8, 1) in planned
+    planned.clear()
+    plan.sweep(load_config(None, LONG), target)
+    assert len(planned) == 3 * 10 and {shape[2] for shape in planned} == {1}
 
 
 def test_mesh_context_aliases_and_a_sequence_that_does_not_split():

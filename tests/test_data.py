@@ -171,13 +171,14 @@ def test_a_packed_windows_loss_is_its_documents_losses_run_alone(reset_positions
     segments = document_ids(window, eos)
     np.testing.assert_array_equal(document_positions(segments)[0], [*range(5), *range(7), *range(4)])
     inputs, targets = window[:, :-1], window[:, 1:]
+    forward = nnx.jit(lambda model, *args: model(*args))
     positions = document_positions(segments[:, :-1]) if reset_positions else None
-    losses = token_losses(model(inputs, segments[:, :-1], positions), targets)[0]
+    losses = token_losses(forward(model, inputs, segments[:, :-1], positions), targets)[0]
     start = 0
     for doc in docs:
         doc = jnp.asarray([doc])
         positions = jnp.arange(doc.shape[1] - 1)[None] + (0 if reset_positions else start)
-        alone = token_losses(model(doc[:, :-1], positions=positions), doc[:, 1:])[0]
+        alone = token_losses(forward(model, doc[:, :-1], None, positions), doc[:, 1:])[0]
         np.testing.assert_allclose(losses[start : start + len(alone)], alone, rtol=1e-5, atol=1e-5)
         start += doc.shape[1]
 

@@ -178,15 +178,19 @@ def test_an_imported_model_generates_and_exports_with_its_own_tokenizer(tmp_path
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("hello world")["input_ids"] == prompt
 
 
-def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overrides):
+@pytest.mark.parametrize("sliding", [0, 6])
+def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overrides, sliding):
     """Past the window the cache restarts from the latest half window; up to it, temperature
-    sampling draws the same tokens as full passes over the window (same keys, same logits)."""
-    cfg = load_config(None, small_overrides)
+    sampling draws the same tokens as full passes over the window (same keys, same logits). With
+    every layer sliding over 6 positions the cache is a ring of 6 slots, which a padded prefill
+    and 20 steps wrap round several times."""
+    cfg = load_config(None, [*small_overrides, f"model.sliding_window={sliding}"])
     from podtrain.runtime.mesh import build_mesh
     from podtrain.train.state import model_fns
 
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
+    assert fns.module(params).init_cache(1, 32)[0].shape[2] == (sliding or 32)
     prompt = [5, 6, 7]
     assert cached_tokens(fns, params, prompt, 20, 0.8, 32, seed=1) == window_tokens(
         fns, params, prompt, 20, 0.8, 32, seed=1

@@ -115,6 +115,9 @@ def test_family_imports_generates_and_exports_like_transformers(tmp_path, varian
     with torch.no_grad():
         theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=16, do_sample=False, min_new_tokens=0)
     assert cached_tokens(fns, params, list(prompt), 16, 0.0, cfg.model.max_seq_len, seed=0) == theirs[0, 7:].tolist()
+    windows = cfg.model.layer_windows()
+    if windows and all(windows):  # every layer slides: the cache is a ring as long as the window, wrapped above
+        assert fns.module(params).init_cache(1, cfg.model.max_seq_len)[0].shape[2] == max(windows) < 23
 
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == model_type

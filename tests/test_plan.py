@@ -159,7 +159,9 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     assert len(table) == 1 + 18 and "tensor" in table[0]
     assert sum("cannot: The microbatch" in line for line in table) == 9
     for line, (changes, _) in zip(table[1:], rows):
-        assert line.split()[:4] == [str(changes[k]) for k in ("mesh.data", "mesh.fsdp", "mesh.tensor", "model.remat")]
+        assert line.split()[:5] == [
+            str(changes[k]) for k in ("mesh.data", "mesh.fsdp", "mesh.context", "mesh.tensor", "model.remat")
+        ]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

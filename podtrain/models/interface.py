@@ -52,10 +52,11 @@ class LanguageModel(Protocol):
     def logits(self, head: Any, x: jax.Array) -> jax.Array:
         """(B, t, D) states of any t positions -> (B, t, V) float32 logits."""
 
-    def decode(self, tokens: jax.Array, cache: Any, start: jax.Array) -> tuple[jax.Array, Any]:
+    def decode(self, tokens: jax.Array, cache: Any, start: jax.Array, valid=None) -> tuple[jax.Array, Any]:
         """tokens (B, n) at positions start..start+n-1 -> (logits (B, n, V) float32, the cache with
-        their keys and values added); they attend to the cache's earlier positions. `start` is a
-        traced int32 scalar, so one compiled program serves every position."""
+        the keys and values of the first `valid` of them added (default all; the rest is padding,
+        never cached)); they attend to the cache's earlier positions. `start` and `valid` may be
+        traced int32 scalars, so one compiled program serves every position."""
 
     def init_cache(self, batch: int, length: int) -> Any:
         """An empty cache for `batch` sequences of up to `length` positions (a pytree of arrays)."""

@@ -164,12 +164,12 @@ class Block(nnx.Module):
             x, lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, segments, window, positions))
         )
 
-    def decode(self, x: jax.Array, rope, cache, start, window=None) -> tuple[jax.Array, tuple]:
+    def decode(self, x: jax.Array, rope, cache, start, valid, window=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
         updated, rope = [], layer_rope(rope, window)
 
         def attend(h):
-            out, new = self.attn.decode(self.attn_norm(h), rope, cache, start, window)
+            out, new = self.attn.decode(self.attn_norm(h), rope, cache, start, window, valid)
             updated.append(new)
             return self.attn_out(out)
 
@@ -254,26 +254,30 @@ class Llama(nnx.Module):
         return () if windows is None else (jnp.asarray(windows, jnp.int32),)
 
     def decode(
-        self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array
+        self, tokens: jax.Array, cache: tuple[jax.Array, jax.Array], start: jax.Array, valid=None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Logits of `tokens` (batch, n) at positions start..start+n-1, attending to the keys and
-        values of earlier positions in `cache` (from `init_cache`); returns the cache with theirs
-        added. A prompt is one call (prefill), then each new token one call of n=1."""
+        values of earlier positions in `cache` (from `init_cache`); returns the cache with the
+        first `valid` of theirs added (default all; the rest is padding). A prompt is one call
+        (prefill), then each new token one call of n=1."""
         table = constrain(self.embed[...], TABLE)
         rope = self.rope(start + jnp.arange(tokens.shape[1]))
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer):
             layer_state, layer_cache, own = layer
-            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, *own)
+            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, valid, *own)
 
         x, cache = jax.lax.scan(body, self.widen(self.embedded(table, tokens)), (state, cache, self.per_layer()))
         return self.logits(table, self.narrow(x)), cache
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
-        """Empty keys and values for `length` positions: (layers, batch, length, kv_heads, head_dim) each."""
+        """Empty keys and values for `length` positions: (layers, batch, slots, kv_heads, head_dim)
+        each, a ring of slots; when every layer slides, as many slots as the widest window."""
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_size)
+        windows = cfg.layer_windows()
+        slots = min(length, max(windows)) if windows and all(windows) else length
+        shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_size)
         return jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype)
 
     def embedded(self, table: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -147,10 +147,12 @@ def _cost_flops(compiled) -> float | None:
 
 
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
-    """Every mesh whose product is the device count (mesh.context as set), under each remat policy:
-    its plan, or why the model cannot take it; fitting plans first, fastest first."""
-    rows, context = [], resolve_shape(cfg.mesh, len(target.devices))["context"]
-    for data, fsdp, tensor in factorizations(len(target.devices) // context):
+    """Every mesh whose product is the device count, under each remat policy: its plan, or why the
+    model cannot take it; fitting plans first, fastest first. A config that splits the sequence
+    (mesh.context other than 1) has every context size tried too; one that does not keeps it whole."""
+    n, rows = len(target.devices), []
+    shapes = factorizations(n, 4) if cfg.mesh.context != 1 else [(d, f, 1, t) for d, f, t in factorizations(n)]
+    for data, fsdp, context, tensor in shapes:
         for remat in ("none", "dots", "full"):
             changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.context": context, "mesh.tensor": tensor}
             changes["model.remat"] = remat

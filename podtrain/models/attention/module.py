@@ -152,16 +152,25 @@ class Attention(nnx.Module):
         return self.output(constrain(out, HEADS))
 
     def decode(
-        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array, window=None
+        self, x_BTD: jax.Array, rope, cache: tuple[jax.Array, jax.Array], start: jax.Array, window=None, valid=None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Attention of the tokens x at positions start.. to themselves and everything before them
-        (within a sliding `window`), whose keys and values `cache` (batch, length, kv_heads,
-        head_dim) holds; x's are written into it. Positions after the last written one are masked,
-        whatever the cache holds there."""
+        (within a sliding `window`). `cache` (batch, slots, kv_heads, head_dim) is a ring: position
+        p's keys and values live in slot p % slots, so a cache as long as the window serves any
+        length when every layer slides. The first `valid` of x (default all; the rest padding)
+        are written into it, the latest of them when they are more than its slots."""
         q, k, v = self.project(x_BTD, rope, share_kv=False)
-        cache = tuple(
-            jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), start, axis=1) for c, new in zip(cache, (k, v))
+        n, slots = x_BTD.shape[1], cache[0].shape[1]
+        valid = n if valid is None else valid
+        queries = start + jnp.arange(n)
+        # What each slot holds: the latest position before `start` that maps to it (negative: none yet).
+        held = start - 1 - (start - 1 - jnp.arange(slots)) % slots
+        places = jnp.concatenate([jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max), queries])
+        keys, values = (jnp.concatenate([c, new.astype(c.dtype)], axis=1) for c, new in zip(cache, (k, v)))
+        out = grouped_attention(
+            q, keys, values, True, self.scale, self.softcap, window=window, q_index=queries, k_index=places
         )
-        queries = start + jnp.arange(x_BTD.shape[1])
-        out = grouped_attention(q, *cache, True, self.scale, self.softcap, window=window, q_index=queries)
+        written = (jnp.arange(n) < valid) & (jnp.arange(n) >= valid - slots)
+        to = jnp.where(written, queries % slots, slots)  # out of range: dropped
+        cache = tuple(c.at[:, to].set(new.astype(c.dtype), mode="drop") for c, new in zip(cache, (k, v)))
         return self.output(out), cache

@@ -72,7 +72,7 @@ def cached_tokens(
 
     def prefill(params, buf, length, key):
         model = fns.module(params)
-        logits, kv = model.decode(buf[None], model.init_cache(1, window), jnp.int32(0))
+        logits, kv = model.decode(buf[None], model.init_cache(1, window), jnp.int32(0), length)
         return _pick(logits[0, length - 1], temperature, key, vocab), kv
 
     def step(params, token, kv, pos, key):
