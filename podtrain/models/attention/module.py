@@ -123,10 +123,11 @@ class Attention(nnx.Module):
         Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
         tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        if (split := shards("act_seq", x_BTD.shape[1])) > 1 and self.implementation == "splash":
-            out = self.splash(q, k, v, segments, window, order=balanced_order(x_BTD.shape[1], split))
+        split = shards("act_seq", x_BTD.shape[1])
+        if self.implementation == "splash":
+            out = self.splash(q, k, v, segments, window, balanced_order(x_BTD.shape[1], split) if split > 1 else None)
         elif split > 1:
-            if positions is None:
+            if positions is None:  # in order: a caller that is not causal (the puzzles' models) needs no other
                 positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
             out = context_attention(
                 q,
@@ -140,8 +141,6 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 softcap=self.softcap,
             )
-        elif self.implementation == "splash":
-            out = self.splash(q, k, v, segments, window)
         elif self.implementation == "cudnn_estimate":
             out = fused_attention_stand_in(q, k, v, self.causal)
         elif self.implementation == "cudnn":  # no segments or windows: config/checks.py refuses them
