@@ -80,12 +80,12 @@ def splash_attention(
 
 def _sight(masks):
     """The splash mask class of what a query sees, queries in any static order: keys at or before
-    its position (`causal`), within `window` of it (0: all)."""
+    its position (`causal`), within `window` of it on either side that it sees (0: all)."""
 
     class Sight(masks._ComputableMask):
         def __init__(self, shape, order, causal, window):
             def sees(q_at, k_at):
-                ok = (k_at <= q_at) if causal else (k_at >= 0) & (q_at >= 0)
+                ok = (k_at <= q_at) if causal else (k_at - q_at < window if window else (k_at >= 0) & (q_at >= 0))
                 return ok & (q_at - k_at < window) if window else ok
 
             super().__init__(shape=shape, mask_function=sees)
