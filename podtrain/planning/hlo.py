@@ -222,23 +222,24 @@ def _devices_together(groups: str) -> list[int]:
     """The device ids of one replica group (or one permute's source and target), from any of the forms."""
     if groups.startswith("{{"):
         return [int(d) for d in groups[2:].split("}")[0].split(",")]
-    if groups.startswith("["):  # an iota: [groups,size]<=[dims], transposed by T(perm) if given
-        shape, iota = (dims(part) for part in re.findall(r"\[([\d,]+)\]", groups)[:2])
-        return _iota(iota, re.search(r"T\(([\d,]+)\)", groups)).reshape(shape)[0].tolist()
+    if groups.startswith("["):  # an iota: [groups,size]<=[dims]T(perm)
+        shape, tile = groups.split("<=")
+        return _iota(tile).reshape(dims(shape.strip("[]")))[0].tolist()
     if groups.startswith("mesh"):  # mesh['axis_0'=2,...], device_ids=([dims]T(perm)) {'axis_0'}: one group
         sizes = [int(n) for n in re.findall(r"'axis_\d+'=(\d+)", groups.split("]")[0])]
-        order = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", groups)
-        ids = (
-            _iota(dims(order.group(1)), order if order.group(2) else None, 2) if order else np.arange(math.prod(sizes))
-        )
+        order = re.search(r"device_ids=\(([^()]*(?:\([^()]*\))?)\)", groups)
+        ids = _iota(order.group(1)) if order else np.arange(math.prod(sizes))
         named = {int(i) for i in re.findall(r"'axis_(\d+)'", groups.rsplit("{", 1)[1])}
         return ids.reshape(sizes)[tuple(slice(None) if i in named else 0 for i in range(len(sizes)))].ravel().tolist()
     return []
 
 
-def _iota(shape: tuple[int, ...], transpose, group: int = 1) -> np.ndarray:
+def _iota(tile: str) -> np.ndarray:
+    """The device ids of an iota tile, `[dims]` or `[dims]T(perm)`: 0, 1, ... laid out, then transposed."""
+    shape = dims(re.search(r"\[([\d,]+)\]", tile).group(1))
     ids = np.arange(math.prod(shape)).reshape(shape)
-    return ids.transpose(dims(transpose.group(group))) if transpose else ids
+    perm = re.search(r"T\(([\d,]+)\)", tile)
+    return ids.transpose(dims(perm.group(1))) if perm else ids
 
 
 def mesh_axes(c: Collective, mesh: dict[str, int]) -> tuple[str, ...]:
