@@ -182,6 +182,13 @@ def balanced_order(t: int, n: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
 
 
+def context_order(t: int) -> np.ndarray | None:
+    """The order a sequence of t positions takes where the mesh splits it (`balanced_order` over
+    its context shards), or None where it is whole (and outside `sharded_jit`)."""
+    n = shards("act_seq", t)
+    return None if n == 1 else balanced_order(t, n)
+
+
 def shards(name: str, size: int) -> int:
     """Into how many pieces the rules split a dimension of `size` named `name` (1 outside `sharded_jit`)."""
     mesh = _TRACING_MESH.get()

@@ -30,7 +30,7 @@ from podtrain.models.layers import (
     scan_layers,
     stacked,
 )
-from podtrain.sharding import balanced_order, constrain, shards
+from podtrain.sharding import constrain, context_order
 from podtrain.train.tasks.language import LanguageTask
 
 
@@ -229,8 +229,7 @@ class Llama(nnx.Module):
         """The embedding table and the last block's output (batch, seq, d_model): `logits` of the
         two, whole or a slice of the positions at a time, are the model's output."""
         t = tokens.shape[1]
-        if positions is None and (split := shards("act_seq", t)) > 1:  # put in the order a split sequence takes
-            order = balanced_order(t, split)
+        if positions is None and (order := context_order(t)) is not None:  # the order a split sequence takes
             segments = None if segment_ids is None else segment_ids[:, order]
             table, x = self.features(tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape))
             return table, x[:, np.argsort(order)]

@@ -13,7 +13,7 @@ from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import fused_attention_stand_in, splash_attention
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
-from podtrain.sharding import balanced_order, constrain, shards
+from podtrain.sharding import constrain, context_order, shards
 
 
 class Attention(nnx.Module):
@@ -123,10 +123,10 @@ class Attention(nnx.Module):
         Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
         tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        split = shards("act_seq", x_BTD.shape[1])
+        order = context_order(x_BTD.shape[1])
         if self.implementation == "splash":
-            out = self.splash(q, k, v, segments, window, balanced_order(x_BTD.shape[1], split) if split > 1 else None)
-        elif split > 1:
+            out = self.splash(q, k, v, segments, window, order)
+        elif order is not None:
             if positions is None:  # in order: a caller that is not causal (the puzzles' models) needs no other
                 positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
             out = context_attention(

@@ -15,7 +15,7 @@ from podtrain.data import chat
 from podtrain.data.loader import BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
-from podtrain.sharding import balanced_order, batch_sharding, shards
+from podtrain.sharding import batch_sharding, context_order
 from podtrain.train.tasks import Task
 from podtrain.train.tasks.sampling import sample
 
@@ -99,12 +99,6 @@ def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_pos
         )
     table, x = model.features(inputs, segments, positions)
     return scored(model, table, x, targets, weights)
-
-
-def context_order(t: int) -> np.ndarray | None:
-    """The load-balanced order of t positions over the context shards, or None if unsplit."""
-    n = shards("act_seq", t)
-    return None if n == 1 else balanced_order(t, n)
 
 
 def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None, reset_positions: bool = False):
