@@ -33,6 +33,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients
+    "exp": (),  # an MoE layer's experts
     # Activations: the batch over data x fsdp, the sequence over context, features over tensor
     # only; fsdp never splits a feature, so it moves weights, not activations. No weight is split
     # over context: its gradients are reduced over it as over data.
@@ -166,6 +167,19 @@ def gather(x: jax.Array, name: str, axis: int) -> jax.Array:
     in shard order (an all-gather over that name's mesh axes)."""
     over = _split_over(name)
     return jax.lax.all_gather(x, over, axis=axis, tiled=True) if over else x
+
+
+def scatter_sum(x: jax.Array, name: str, axis: int) -> jax.Array:
+    """Inside `per_shard`: the sum of x over the shards along logical axis `name`, of which this
+    shard keeps its own part along `axis` (a reduce-scatter; `gather`'s transpose)."""
+    over = _split_over(name)
+    return jax.lax.psum_scatter(x, over, scatter_dimension=axis, tiled=True) if over else x
+
+
+def shard_index(name: str) -> jax.Array | int:
+    """Inside `per_shard`: this shard's place along logical axis `name` (0 where it is whole)."""
+    over = _split_over(name)
+    return jax.lax.axis_index(over) if over else 0
 
 
 def pass_on(x, name: str):

@@ -93,7 +93,7 @@ def test_packed_conversations_score_as_each_alone(tokenizer, small_overrides):
     alone = [chat.pack([e], len(e[0]), pad_id=0)[0] for e in examples]
 
     def losses(rows):
-        table, x = model.features(rows[:, chat.TOKENS, :-1], rows[:, chat.SEGMENTS, :-1])
+        table, x, _ = model.features(rows[:, chat.TOKENS, :-1], rows[:, chat.SEGMENTS, :-1])
         return token_losses(model.logits(table, x), rows[:, chat.TOKENS, 1:])[0]
 
     together, first = losses(jnp.asarray(packed)), len(examples[0][0])

@@ -110,7 +110,7 @@ def _positions_seen(context: int) -> np.ndarray:
 
         def features(self, tokens, segments, positions):
             seen.append(positions)
-            return None, jnp.zeros((*tokens.shape, 4))
+            return None, jnp.zeros((*tokens.shape, 4)), {}
 
         def logits(self, table, x):
             return x

@@ -103,7 +103,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small_overrides):
 @pytest.mark.parametrize("name", LANGUAGE_FAMILIES)
 def test_every_language_family_implements_the_interface(small_overrides, name):
     """What the language task and sampling call (models/interface.py), checked on a built model:
-    the methods exist, `logits(*features(...))` is the forward pass, and decoding a prompt in two
+    the methods exist, `logits` of `features`' head and x is the forward pass, and decoding a prompt in two
     calls through the cache gives the same logits."""
     assert issubclass(MODELS[name].config, LanguageModelConfig)
     model = small_model(small_overrides, [f"model.name={name}"])
@@ -111,7 +111,9 @@ def test_every_language_family_implements_the_interface(small_overrides, name):
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
     logits = model(tokens)
     assert logits.shape == (2, 12, 256) and logits.dtype == jnp.float32
-    np.testing.assert_allclose(model.logits(*model.features(tokens)), logits, atol=1e-6)
+    head, x, aux = model.features(tokens)
+    np.testing.assert_allclose(model.logits(head, x), logits, atol=1e-6)
+    assert all(jnp.shape(v) == () for v in aux.values())
     first, cache = model.decode(tokens[:, :8], model.init_cache(2, 16), jnp.int32(0))
     rest, _ = model.decode(tokens[:, 8:], cache, jnp.int32(8))
     np.testing.assert_allclose(jnp.concatenate([first, rest], axis=1), logits, atol=1e-4)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from flax import nnx
 
 from podtrain.config.schema import ModelConfig
-from podtrain.models import llama, mhc, recursive
+from podtrain.models import llama, mhc, moe, recursive
 from podtrain.models.family import Family
 
-MODELS: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mhc.FAMILY, recursive.HRM_FAMILY, recursive.TRM_FAMILY)}
+MODELS: dict[str, Family] = {
+    f.name: f for f in (llama.FAMILY, mhc.FAMILY, moe.FAMILY, recursive.HRM_FAMILY, recursive.TRM_FAMILY)
+}
 
 
 def family(cfg: ModelConfig) -> Family:

@@ -28,20 +28,22 @@ class LanguageModelConfig(ModelConfig):
 @runtime_checkable
 class LanguageModel(Protocol):
     """A decoder over tokens. `features` and `logits` split the forward pass where the loss can be
-    chunked: `logits(*features(tokens))` is the model's output, and `logits(head, x)` of a slice of
-    the positions of x is the same slice of it. `decode` runs the model incrementally on a cache
+    chunked: `logits(head, x)` of `features(tokens)`'s head and x is the model's output, and of a
+    slice of the positions of x the same slice of it. `decode` runs the model incrementally on a cache
     made by `init_cache`; prefill and one-token steps are both calls of it."""
 
     cfg: LanguageModelConfig
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
-        """tokens (B, T) int32 -> logits (B, T, V) float32; `logits(*features(...))`."""
+        """tokens (B, T) int32 -> logits (B, T, V) float32; `logits` of `features`' head and x."""
 
     def features(
         self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
-    ) -> tuple[Any, jax.Array]:
-        """(head, x): whatever `logits` needs beside the positions' states (a tied head's embedding
-        table; passed back unchanged), and the last layer's output x (B, T, D). With segment_ids
+    ) -> tuple[Any, jax.Array, dict]:
+        """(head, x, aux): whatever `logits` needs beside the positions' states (a tied head's
+        embedding table; passed back unchanged), the last layer's output x (B, T, D), and the
+        model's auxiliary terms, float32 scalars: "loss" is added to the training loss (an MoE's
+        balancing losses), the others are logged as metrics ({} for most models). With segment_ids
         (B, T) int32, a token attends only to earlier tokens of its own segment (packed documents),
         and never through a (T, T) mask: the model is given O(T) of it. `positions` (B, T) int32
         are the tokens' positions for the model's position encoding (default 0..T-1; they restart

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -290,9 +291,11 @@ REMAT_POLICIES = {
 
 def scan_layers(
     layers: nnx.Module, x: jax.Array, *args, per_layer: tuple = (), remat: str = "none", unroll: int = 1
-) -> jax.Array:
+) -> tuple[jax.Array, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
+    Returns x and the layers' reports, stacked (layers, ...): a layer class with `reports = True`
+    returns (x, report) (an MoE layer's routing statistics); else None.
 
     Compile time stays independent of depth; `remat` trades recomputation for activation memory.
     """
@@ -300,11 +303,13 @@ def scan_layers(
 
     def body(h, layer):
         layer_state, own = layer
-        return nnx.merge(graphdef, layer_state)(h, *args, *own), None
+        module = nnx.merge(graphdef, layer_state)
+        out = module(h, *args, *own)
+        return out if getattr(module, "reports", False) else (out, None)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (state, per_layer), unroll=unroll)[0]
+    return jax.lax.scan(body, x, (state, per_layer), unroll=unroll)
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:

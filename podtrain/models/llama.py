@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.config.schema import ModelConfig, key, same_key
-from podtrain.errors import ConfigError
 from podtrain.models.attention import Attention
 from podtrain.models.family import Family
-from podtrain.models.interface import LanguageModelConfig
 from podtrain.models.layers import (
     ACT,
     HEAD,
@@ -30,99 +25,9 @@ from podtrain.models.layers import (
     scan_layers,
     stacked,
 )
+from podtrain.models.llama_config import LlamaConfig
 from podtrain.sharding import constrain, context_order
 from podtrain.train.tasks.language import LanguageTask
-
-
-@dataclass
-class LlamaConfig(LanguageModelConfig):
-    name: str = same_key(ModelConfig, "name", "llama")
-    rope_theta: float = key(10000.0, "base of the rotary position embedding's wavelengths", "> 0")
-    n_layers: int = key(4, "decoder layers, stacked and scanned", ">= 1")
-    n_kv_heads: int = key(2, "key/value heads: n_heads / n_kv_heads query heads share one (grouped-query)", ">= 1")
-    tie_embeddings: bool = key(True, "the output head is the embedding table, transposed")
-    init_std: float = key(0.02, "std of the initial weights; residual outputs get std / sqrt(2 n_layers)", "> 0")
-    rope_scaling: Literal["none", "llama3", "linear", "yarn"] = key(
-        "none",
-        "llama3: Llama 3's stretch of the long rotary wavelengths; yarn: YaRN's (Qwen's long context, DeepSeek-V3); "
-        "linear: positions divided by rope_factor (of the layers that attend to everything, if rope_local_theta is "
-        "set); each with the rope_ keys below",
-    )
-    rope_factor: float = key(8.0, "llama3, yarn and linear scaling: how far the wavelengths are stretched", ">= 1")
-    rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths above max_len / this are stretched", "> 0")
-    rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths below max_len / this are kept", "> 0")
-    rope_original_max_len: int = key(8192, "llama3 and yarn scaling: the context length before the stretch", ">= 1")
-    rope_beta_fast: float = key(32.0, "yarn: wavelengths of more than this many turns in the context are kept", "> 0")
-    rope_beta_slow: float = key(1.0, "yarn: wavelengths of fewer turns than this are stretched", "> 0")
-    rope_attention_factor: float = key(
-        0.0, "yarn: cos and sin are scaled by this; 0: 0.1 ln(rope_factor) + 1, as YaRN's paper", ">= 0"
-    )
-    rope_truncate: bool = key(True, "yarn: the ramp's ends rounded to whole dimensions (as transformers)")
-    head_dim: int = key(0, "width of each attention head; 0: d_model / n_heads", ">= 0")
-    attention_bias: Literal["none", "qkv", "all"] = key(
-        "none", "biases of the attention projections: none, on q/k/v (Qwen2), or on q/k/v and the output"
-    )
-    qk_norm: bool = key(False, "an RMSNorm over each query and key head before the rotation (Qwen3)")
-    sliding_window: int = key(
-        0, "positions a query attends to, itself included, in the layers that slide (Mistral); 0: all", ">= 0"
-    )
-    full_attention_layers: list[int] = key(
-        [], "layers (from 0) that attend to every earlier position whatever sliding_window (Qwen2's first ones)"
-    )
-    rotary_fraction: float = key(
-        1.0, "the share of each head's dimensions that RoPE rotates (Phi-3's partial rotary)", "(0, 1]"
-    )
-    rope_local_theta: float = key(0.0, "RoPE base of the sliding layers (Gemma 3: 10,000); 0: rope_theta", ">= 0")
-    query_pre_attn_scalar: int = key(0, "attention scores are scaled by this^-0.5 (Gemma); 0: head_dim", ">= 0")
-    attn_softcap: float = key(0.0, "attention scores bounded to (-c, c) as c tanh(s / c) (Gemma 2: 50); 0: off", ">= 0")
-    final_softcap: float = key(0.0, "logits bounded the same way (Gemma 2: 30); 0: off", ">= 0")
-    norm_plus_one: bool = key(False, "RMSNorms scale by 1 + w, w starting at 0 (Gemma)")
-    scale_embedding: bool = key(False, "the embedding times sqrt(d_model), rounded to the compute dtype (Gemma)")
-    post_norms: bool = key(False, "an RMSNorm on each branch's output before the residual add (Gemma 2 and 3)")
-    mlp_activation: Literal["silu", "gelu_tanh"] = key(
-        "silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)"
-    )
-    context_attention: Literal["all_gather", "ring"] = key(
-        "all_gather",
-        "with mesh.context > 1: all_gather: every shard's keys and values gathered per layer; ring: passed "
-        "round a ring of the context shards, one shard's at a time (less memory, more steps)",
-    )
-    hf_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] = key(
-        "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
-    )
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
-
-    def layer_windows(self) -> list[int] | None:
-        """Each layer's sliding window (0: it sees every earlier position), or None if none slides."""
-        if not self.sliding_window:
-            return None
-        return [0 if i in self.full_attention_layers else self.sliding_window for i in range(self.n_layers)]
-
-    def validate(self) -> None:
-        super().validate()
-        if int(self.head_size * self.rotary_fraction) % 2:
-            raise ConfigError(
-                f"model.rotary_fraction={self.rotary_fraction} rotates {int(self.head_size * self.rotary_fraction)} of "
-                f"each head's {self.head_size} dimensions; RoPE rotates pairs: pick a fraction giving an even number."
-            )
-        if self.rope_local_theta and not self.sliding_window:
-            raise ConfigError(
-                f"model.rope_local_theta={self.rope_local_theta} is the RoPE base of the sliding layers, and "
-                "model.sliding_window=0 makes none; set a window, or rope_local_theta=0."
-            )
-        if bad := [i for i in self.full_attention_layers if not 0 <= i < self.n_layers]:
-            raise ConfigError(
-                f"model.full_attention_layers names layers {bad}, outside 0..{self.n_layers - 1} (model.n_layers="
-                f"{self.n_layers}); list layers of the model."
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; "
-                "grouped-query attention shares each kv head by a whole number of query heads."
-            )
 
 
 class Block(nnx.Module):
@@ -150,21 +55,28 @@ class Block(nnx.Module):
             context=cfg.context_attention,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
-        self.mlp = SwiGLU(
-            cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs, activation=cfg.mlp_activation
-        )
+        self.mlp = self.make_mlp(cfg, std, out_std, dtype, rngs)
         if cfg.post_norms:
             self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
             self.mlp_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.post_norms = cfg.post_norms
 
-    def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> jax.Array:
-        rope = layer_rope(rope, window)
-        return self.residual(
-            x, lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, segments, window, positions))
+    def make_mlp(self, cfg: LlamaConfig, std: float, out_std: float, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return SwiGLU(
+            cfg.d_model, cfg.d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs, activation=cfg.mlp_activation
         )
 
-    def decode(self, x: jax.Array, rope, cache, start, valid, window=None) -> tuple[jax.Array, tuple]:
+    def __call__(self, x: jax.Array, rope, segments, positions, window=None, mlp=None) -> jax.Array:
+        """The block on x; `mlp` (of the normed stream) stands in for self.mlp where a subclass
+        must see more of its output than the branch's."""
+        rope = layer_rope(rope, window)
+        return self.residual(
+            x,
+            lambda h: self.attn_out(self.attn(self.attn_norm(h), rope, segments, window, positions)),
+            lambda h: self.mlp_branch(h, mlp or self.mlp),
+        )
+
+    def decode(self, x: jax.Array, rope, cache, start, valid, window=None, mlp=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
         updated, rope = [], layer_rope(rope, window)
 
@@ -173,21 +85,21 @@ class Block(nnx.Module):
             updated.append(new)
             return self.attn_out(out)
 
-        return self.residual(x, attend), updated[0]
+        return self.residual(x, attend, lambda h: self.mlp_branch(h, mlp or self.mlp)), updated[0]
 
-    def residual(self, x: jax.Array, attend) -> jax.Array:
+    def residual(self, x: jax.Array, attend, mlp_branch) -> jax.Array:
         """The residual stream through attention (`attend` of a normed copy, masked as the caller
-        needs) and the MLP; subclasses change how branches read and write the stream."""
+        needs) and the MLP branch; subclasses change how branches read and write the stream."""
         x = constrain(x, ACT)
         x = constrain(x + attend(x), ACT)
-        return constrain(x + self.mlp_branch(x), ACT)
+        return constrain(x + mlp_branch(x), ACT)
 
     def attn_out(self, out: jax.Array) -> jax.Array:
         """The attention branch's output as it joins the residual stream."""
         return self.attn_post_norm(out) if self.post_norms else out
 
-    def mlp_branch(self, x: jax.Array) -> jax.Array:
-        out = self.mlp(self.mlp_norm(x))
+    def mlp_branch(self, x: jax.Array, mlp) -> jax.Array:
+        out = mlp(self.mlp_norm(x))
         return self.mlp_post_norm(out) if self.post_norms else out
 
 
@@ -215,37 +127,54 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-        self.layers = stacked(cfg.n_layers, lambda r: self.block(cfg, r), rngs)
+        self.build_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
 
+    def build_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
+        self.layers = stacked(cfg.n_layers, lambda r: self.block(cfg, r), rngs)
+
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions=None) -> jax.Array:
-        return self.logits(*self.features(tokens, segment_ids, positions))
+        table, x, _ = self.features(tokens, segment_ids, positions)
+        return self.logits(table, x)
 
     def features(
         self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """The embedding table and the last block's output (batch, seq, d_model): `logits` of the
-        two, whole or a slice of the positions at a time, are the model's output."""
+    ) -> tuple[jax.Array, jax.Array, dict]:
+        """The embedding table, the last block's output (batch, seq, d_model) and `auxiliary`'s
+        terms: `logits` of the first two, whole or a slice of the positions at a time, are the
+        model's output."""
         t = tokens.shape[1]
         if positions is None and (order := context_order(t)) is not None:  # the order a split sequence takes
             segments = None if segment_ids is None else segment_ids[:, order]
-            table, x = self.features(tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape))
-            return table, x[:, np.argsort(order)]
+            table, x, aux = self.features(
+                tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape)
+            )
+            return table, x[:, np.argsort(order)], aux
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
-        x = scan_layers(
-            self.layers,
-            self.widen(self.embedded(table, tokens)),
-            rope,
-            segment_ids,
-            positions,
-            per_layer=self.per_layer(),
-            remat=self.cfg.remat,
-            unroll=self.cfg.scan_unroll,
-        )
-        return table, self.narrow(x)
+        x, reports = self.widen(self.embedded(table, tokens)), []
+        for (stack, _), own in zip(self.stacks(), self.by_stack(self.per_layer())):
+            x, report = scan_layers(
+                stack, x, rope, segment_ids, positions, per_layer=own, remat=self.cfg.remat, unroll=self.cfg.scan_unroll
+            )
+            reports.append(report)
+        return table, self.narrow(x), self.auxiliary(reports)
+
+    def stacks(self) -> list[tuple[nnx.Module, int]]:
+        """(stacked layers, how many), bottom first, each scanned in turn: a family whose layers
+        differ in kind (dense and MoE) keeps one stack per kind."""
+        return [(self.layers, self.cfg.n_layers)]
+
+    def by_stack(self, tree) -> list:
+        """A tree of (n_layers, ...) arrays cut into each stack's layers."""
+        ends = np.cumsum([n for _, n in self.stacks()])
+        return [jax.tree.map(lambda a, e=end, n=n: a[e - n : e], tree) for (_, n), end in zip(self.stacks(), ends)]
+
+    def auxiliary(self, reports: list) -> dict:
+        """What the model adds to the loss ("loss") and logs beside it, from each stack's reports."""
+        return {}
 
     def per_layer(self) -> tuple:
         """What differs between the stacked layers, one entry per layer: the sliding windows, if any."""
@@ -261,14 +190,17 @@ class Llama(nnx.Module):
         (prefill), then each new token one call of n=1."""
         table = constrain(self.embed[...], TABLE)
         rope = self.rope(start + jnp.arange(tokens.shape[1]))
-        graphdef, state = nnx.split(self.layers)
+        x, updated = self.widen(self.embedded(table, tokens)), []
+        for (stack, _), layer_cache, own in zip(self.stacks(), self.by_stack(cache), self.by_stack(self.per_layer())):
+            graphdef, state = nnx.split(stack)
 
-        def body(h, layer):
-            layer_state, layer_cache, own = layer
-            return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, valid, *own)
+            def body(h, layer, graphdef=graphdef):
+                layer_state, layer_cache, own = layer
+                return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, valid, *own)
 
-        x, cache = jax.lax.scan(body, self.widen(self.embedded(table, tokens)), (state, cache, self.per_layer()))
-        return self.logits(table, self.narrow(x)), cache
+            x, new = jax.lax.scan(body, x, (state, layer_cache, own))
+            updated.append(new)
+        return self.logits(table, self.narrow(x)), jax.tree.map(lambda *c: jnp.concatenate(c), *updated)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Empty keys and values for `length` positions: (layers, batch, slots, kv_heads, head_dim)

@@ -323,9 +323,9 @@ class MhcBlock(llama.Block):
         self.attn_mix = StreamMixer(cfg, rngs)
         self.mlp_mix = StreamMixer(cfg, rngs)
 
-    def residual(self, streams: Streams, attend) -> Streams:
+    def residual(self, streams: Streams, attend, mlp_branch) -> Streams:
         streams = self.attn_mix(tuple(constrain(s, STREAMS) for s in streams), attend)
-        return self.mlp_mix(streams, self.mlp_branch)
+        return self.mlp_mix(streams, mlp_branch)
 
 
 class Mhc(llama.Llama):

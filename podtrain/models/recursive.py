@@ -166,7 +166,7 @@ class ReasoningModule(nnx.Module):
         self.remat, self.unroll = cfg.remat, cfg.scan_unroll
 
     def __call__(self, h: jax.Array, injection: jax.Array, rope) -> jax.Array:
-        return scan_layers(self.layers, h + injection, rope, remat=self.remat, unroll=self.unroll)
+        return scan_layers(self.layers, h + injection, rope, remat=self.remat, unroll=self.unroll)[0]
 
 
 class RecursiveReasoner(nnx.Module):

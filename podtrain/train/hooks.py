@@ -48,7 +48,8 @@ def divergence_hint(cfg: Config, latest: int | None) -> str:
 
 
 def fmt_metrics(metrics: dict) -> str:
-    return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+    """The metrics for the console; those with a '/' in their name (one per layer) are left to the logs."""
+    return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if "/" not in k)
 
 
 class Throughput:

@@ -85,29 +85,42 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
 
 
-def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_positions: bool = False) -> jax.Array:
-    """The model's loss on windows (batch, seq) of inputs and targets, each token attending only
-    within its segment (if `segments`), at positions that restart with each (`reset_positions`).
-    Where the mesh splits the sequence (context parallelism), the tokens are put in the order
-    that gives every shard the same causal work, with their positions: the loss, a mean, is the
-    same in any order."""
+def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_positions: bool = False):
+    """(the model's cross entropy, its auxiliary terms) on windows (batch, seq) of inputs and
+    targets, each token attending only within its segment (if `segments`), at positions that
+    restart with each (`reset_positions`). Where the mesh splits the sequence (context
+    parallelism), the tokens are put in the order that gives every shard the same causal work,
+    with their positions: the loss, a mean, is the same in any order."""
     positions = document_positions(segments) if reset_positions and segments is not None else None
     if (order := context_order(inputs.shape[1])) is not None:
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape) if positions is None else positions
         inputs, targets, segments, positions, weights = (
             None if a is None else a[:, order] for a in (inputs, targets, segments, positions, weights)
         )
-    table, x = model.features(inputs, segments, positions)
-    return scored(model, table, x, targets, weights)
+    table, x, aux = model.features(inputs, segments, positions)
+    return scored(model, table, x, targets, weights), aux
+
+
+def trained(cross_entropy: jax.Array, aux: dict) -> tuple[jax.Array, dict]:
+    """The loss to train and the metrics beside it: the cross entropy plus the model's own
+    auxiliary loss (an MoE's balancing terms), whose parts are logged."""
+    metrics = {k: v for k, v in aux.items() if k != "loss"}
+    return (cross_entropy + aux["loss"] if "loss" in aux else cross_entropy), metrics
 
 
 def next_token_loss(model, carry, tokens: jax.Array, key, eos_id: int | None = None, reset_positions: bool = False):
     """The mean cross entropy of predicting each token of windows (batch, seq + 1) from those
     before it; with `eos_id`, only from those of its own document (data.pack=documents). With
     model.loss_chunk, the logits are made and scored that many positions at a time."""
+    loss, metrics = trained(*window_loss(model, tokens, eos_id, reset_positions))
+    return loss, (carry, metrics)
+
+
+def window_loss(model, tokens: jax.Array, eos_id: int | None = None, reset_positions: bool = False):
+    """`sequence_loss` of windows (batch, seq + 1), each token predicted from those before it."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments = None if eos_id is None else document_ids(inputs, eos_id)
-    return sequence_loss(model, inputs, targets, segments, None, reset_positions), (carry, {})
+    return sequence_loss(model, inputs, targets, segments, None, reset_positions)
 
 
 def scored(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -126,19 +139,25 @@ def chat_loss(model, carry, rows: jax.Array, key, reset_positions: bool = False)
     """The mean cross entropy of the assistant's tokens of packed conversations, rows (batch, 3,
     seq + 1) as data/chat.py packs them: each token predicted from the earlier tokens of its own
     conversation, which attends to nothing outside it."""
-    tokens, segments, trained = rows[:, chat.TOKENS], rows[:, chat.SEGMENTS], rows[:, chat.TRAINED]
-    weights = trained[:, 1:] * (segments[:, 1:] == segments[:, :-1])
-    loss = sequence_loss(model, tokens[:, :-1], tokens[:, 1:], segments[:, :-1], weights, reset_positions)
-    return loss, (carry, {})
+    loss, metrics = trained(*chat_sequence_loss(model, rows, reset_positions))
+    return loss, (carry, metrics)
+
+
+def chat_sequence_loss(model, rows: jax.Array, reset_positions: bool = False):
+    """`sequence_loss` of packed conversations, counting the assistant's tokens only."""
+    tokens, segments, learned = rows[:, chat.TOKENS], rows[:, chat.SEGMENTS], rows[:, chat.TRAINED]
+    weights = learned[:, 1:] * (segments[:, 1:] == segments[:, :-1])
+    return sequence_loss(model, tokens[:, :-1], tokens[:, 1:], segments[:, :-1], weights, reset_positions)
 
 
 def validation_loss(model, tokens: jax.Array, eos_id: int | None = None, reset_positions: bool = False) -> dict:
-    return {"val_loss": next_token_loss(model, None, tokens, None, eos_id, reset_positions)[0]}
+    """The held-out tokens' cross entropy (no auxiliary loss)."""
+    return {"val_loss": window_loss(model, tokens, eos_id, reset_positions)[0]}
 
 
 def chat_validation_loss(model, rows: jax.Array, reset_positions: bool = False) -> dict:
-    """The held-out assistant tokens' loss."""
-    return {"val_loss": chat_loss(model, None, rows, None, reset_positions)[0]}
+    """The held-out assistant tokens' cross entropy."""
+    return {"val_loss": chat_sequence_loss(model, rows, reset_positions)[0]}
 
 
 class LanguageTask(Task):

@@ -1,0 +1,191 @@
+"""Routed experts, the MLP of a mixture-of-experts layer: a router scores E expert MLPs per token,
+the token goes through its k best, and their outputs are summed with the router's weights.
+
+Routing is computed in float32 (`route`): softmax over all experts then top-k (Mixtral,
+Qwen3-MoE), or sigmoid scores chosen with a selection-only bias, within the best groups of
+experts (DeepSeek-V3). Dispatch is either dropless (`dropless`: the token copies sorted by
+expert and run through grouped matmuls, `jax.lax.ragged_dot`) or capacity-bound (`by_capacity`:
+each expert takes at most C token copies into a fixed buffer; the rest are dropped and counted).
+Under `mesh.expert` the experts' weights are split over it and the tokens exchanged
+(`expert_parallel`). Nothing here sees a mesh beyond the sharding helpers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from podtrain.models.layers import ACT, SwiGLU, param, swiglu
+from podtrain.sharding import constrain, gather, per_shard, scatter_sum, shard_index, shards
+
+EXPERT_IN, EXPERT_OUT = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")  # (E, D, F) and (E, F, D)
+
+
+@dataclass(frozen=True)
+class Routing:
+    experts: int  # E
+    k: int  # experts per token
+    score: str = "softmax"  # "softmax" over all experts, or "sigmoid" per expert
+    renormalize: bool = True  # the k weights divided by their sum
+    groups: int = 1  # experts fall into this many groups...
+    topk_groups: int = 1  # ...of which a token chooses within the best this many
+    scale: float = 1.0  # the weights times this (DeepSeek-V3's routed_scaling_factor)
+
+
+def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights (..., k) float32, chosen experts (..., k) int32, scores (..., E) float32) of router
+    logits (..., E). `bias` (E,) moves only the choice, never the weights (DeepSeek-V3's
+    auxiliary-loss-free balancing); groups are ranked by the sum of their two best scores."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, axis=-1) if r.score == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias[(None,) * (scores.ndim - 1)]
+    if r.groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], r.groups, -1)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        kept_groups = jax.lax.top_k(group_score, r.topk_groups)[1]
+        keep = jax.nn.one_hot(kept_groups, r.groups, dtype=jnp.int32).sum(-2) > 0
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    chosen = jax.lax.top_k(choice, r.k)[1]
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    if r.renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if r.score == "sigmoid" else 0.0))
+    return weights * r.scale, chosen.astype(jnp.int32), scores
+
+
+def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum give
+    zeros), through w_in (E, D, 2, F) and w_down (E, F, D)."""
+    e, d, _, f = w_in.shape
+    gate_up = jax.lax.ragged_dot(xs, w_in.reshape(e, d, 2 * f), sizes).reshape(-1, 2, f)
+    return jax.lax.ragged_dot(swiglu(gate_up), w_down, sizes)
+
+
+def dropless(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array, first: int | jax.Array = 0):
+    """Each token's copy through each of its chosen experts: (N, k, D) outputs of tokens x (N, D)
+    and their chosen (N, k) experts, for experts first..first+E-1 of w_in (E, D, 2, F); a copy
+    routed to another expert gives zeros. The copies are sorted by expert, grouped matmuls run over
+    them, and they are put back."""
+    n, k = chosen.shape
+    local = chosen.reshape(-1) - first
+    local = jnp.where((local >= 0) & (local < w_in.shape[0]), local, w_in.shape[0])  # others last
+    order = jnp.argsort(local, stable=True)
+    sizes = jnp.bincount(local, length=w_in.shape[0] + 1)[:-1]
+    out = grouped_mlp(x[order // k], sizes, w_in, w_down)
+    return out[jnp.argsort(order)].reshape(n, k, -1)
+
+
+def queue_places(chosen: jax.Array, experts: int) -> jax.Array:
+    """(N, k): each token copy's place in its expert's queue; first choices queue before second
+    ones (as GShard and Switch), tokens in order within a choice."""
+    flat = chosen.T.reshape(-1)  # every token's first choice, then every token's second...
+    onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
+    places = ((jnp.cumsum(onehot, axis=0) - 1) * onehot).sum(-1)
+    return places.reshape(chosen.shape[::-1]).T
+
+
+def by_capacity(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array, capacity: int):
+    """(outputs (N, k, D), kept (N, k) bool): like `dropless`, but each expert takes at most
+    `capacity` copies into an (E, capacity, D) buffer, in `queue_places` order; the copies past it
+    are dropped (zeros)."""
+    e = w_in.shape[0]
+    kept = queue_places(chosen, e) < capacity
+    slot = jnp.where(kept, chosen * capacity + queue_places(chosen, e), e * capacity)  # dropped: a spare slot
+    buffer = jnp.zeros((e * capacity + 1, x.shape[-1]), x.dtype).at[slot].set(x[:, None, :])
+    buffer = buffer[:-1].reshape(e, capacity, -1)
+    hidden = swiglu(jnp.einsum("ecd,edkf->eckf", buffer, w_in))
+    out = jnp.einsum("ecf,efd->ecd", hidden, w_down).reshape(e * capacity, -1)
+    return jnp.concatenate([out, jnp.zeros_like(out[:1])])[slot], kept
+
+
+def expert_parallel(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
+    """`dropless` of tokens x (B, T, D) and their chosen (B, T, k) experts -> (B, T, k, D), with the
+    experts split over `mesh.expert`: each shard gathers the tokens of its group of expert shards,
+    runs those routed to its own experts, and the partial outputs are summed back onto the shards
+    the tokens came from (an all-gather, then a reduce-scatter, both along the expert axis)."""
+
+    def on_shard(x, chosen, w_in, w_down):
+        x, chosen = gather(x, "exp", 0), gather(chosen, "exp", 0)
+        b, t, k = chosen.shape
+        out = dropless(x.reshape(b * t, -1), chosen.reshape(b * t, k), w_in, w_down, shard_index("exp") * len(w_in))
+        return scatter_sum(out.reshape(b, t, k, -1), "exp", 0)
+
+    if shards("exp", w_in.shape[0]) == 1:
+        return on_shard(x, chosen, w_in, w_down)
+    names = (ACT, ACT[:2] + (None,), ("exp", None, None, None), ("exp", None, None))
+    return per_shard(on_shard, names, (*ACT[:2], None, None))(x, chosen, w_in, w_down)
+
+
+class RoutedExperts(nnx.Module):
+    """The MLP of an MoE layer: x (B, T, D) -> (out (B, T, D), the router's statistics). With
+    `capacity_factor` > 0 each expert takes at most capacity_factor * N * k / E of N tokens' k
+    copies; else none is dropped. `shared` > 0 adds an always-used SwiGLU of shared * d_ff."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        routing: Routing,
+        *,
+        std: float,
+        out_std: float,
+        dtype,
+        rngs: nnx.Rngs,
+        capacity_factor: float = 0.0,
+        shared: int = 0,
+        bias: bool = False,
+    ):
+        e = routing.experts
+        self.router = param(rngs, (d_model, e), ("embed", None), std)
+        self.w_gate = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
+        self.w_up = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
+        self.w_down = param(rngs, (e, d_ff, d_model), EXPERT_OUT, out_std)
+        if bias:  # moved by the balancing update, not by gradients
+            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
+        if shared:
+            self.shared = SwiGLU(d_model, shared * d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
+        self.routing, self.dtype, self.capacity_factor = routing, dtype, capacity_factor
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        b, t, d = x.shape
+        logits = x.astype(jnp.float32) @ self.router[...]
+        bias = jax.lax.stop_gradient(self.router_bias[...]) if hasattr(self, "router_bias") else None
+        weights, chosen, scores = route(logits, bias, self.routing)
+        w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=2).astype(self.dtype)  # (E, D, 2, F)
+        w_down = self.w_down[...].astype(self.dtype)
+        if self.capacity_factor:
+            e, k = self.routing.experts, self.routing.k
+            capacity = max(1, math.ceil(self.capacity_factor * b * t * k / e))
+            copies, kept = by_capacity(x.reshape(b * t, d), chosen.reshape(b * t, k), w_in, w_down, capacity)
+            copies, kept = copies.reshape(b, t, k, d), kept.reshape(b, t, k)
+        else:
+            copies, kept = expert_parallel(x, chosen, w_in, w_down), jnp.ones(chosen.shape, bool)
+        out = jnp.einsum("btkd,btk->btd", copies.astype(jnp.float32), weights).astype(x.dtype)
+        if hasattr(self, "shared"):
+            out = out + self.shared(x)
+        return constrain(out, ACT), router_statistics(logits, scores, chosen, kept, self.routing.experts)
+
+
+def balancing_loss(load: jax.Array, score: jax.Array) -> jax.Array:
+    """The load-balancing loss of layers' `router_statistics` (layers, E), as transformers'
+    load_balancing_loss_func computes it: E x the sum over experts of the share of token copies it
+    got times its mean score, each pooled over all the layers' tokens (1 x k when balanced)."""
+    return load.shape[-1] * jnp.sum(load.mean(0) * score.mean(0))
+
+
+def router_statistics(logits, scores, chosen, kept, experts: int) -> dict:
+    """One layer's routing, for the balancing losses and the metrics: the share of token copies
+    each expert was given and the mean score each got (E,; sigmoid scores made to sum to 1 per
+    token first), the mean squared logsumexp of the logits (the router z-loss), and the share of
+    copies dropped."""
+    scores = scores / scores.sum(-1, keepdims=True)
+    load = jax.nn.one_hot(chosen, experts, dtype=jnp.float32).sum(-2).reshape(-1, experts).mean(0)  # sums to k
+    return {
+        "load": load,
+        "score": scores.reshape(-1, experts).mean(0),
+        "z": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "dropped": 1.0 - kept.mean(),
+    }

@@ -1,0 +1,171 @@
+"""A mixture-of-experts decoder: the Llama-style decoder whose MLPs are routed experts
+(`experts.py`), the first `first_dense_layers` dense. Mixtral, Qwen3-MoE and DeepSeek-V3's
+routing are options of it; the balancing losses are reported through `auxiliary`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+from flax import nnx
+
+from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.errors import ConfigError
+from podtrain.models import llama
+from podtrain.models.experts import RoutedExperts, Routing, balancing_loss
+from podtrain.models.family import Family
+from podtrain.models.layers import stacked
+from podtrain.train.tasks.language import LanguageTask
+
+
+@dataclass
+class MoeConfig(llama.LlamaConfig):
+    name: str = same_key(ModelConfig, "name", "moe")
+    experts: int = key(8, "routed experts per MoE layer", ">= 1")
+    experts_per_token: int = key(2, "experts each token goes through (top-k)", ">= 1")
+    expert_d_ff: int = key(0, "hidden width of each expert's MLP; 0: d_ff", ">= 0")
+    shared_experts: int = key(0, "experts every token goes through, beside the routed ones, as one MLP", ">= 0")
+    first_dense_layers: int = key(0, "layers (from the bottom) with a dense MLP of d_ff instead of experts", ">= 0")
+    router: Literal["softmax", "sigmoid"] = key(
+        "softmax",
+        "softmax: over all experts, then the top k (Mixtral, Qwen3-MoE); sigmoid: a score per expert (DeepSeek-V3)",
+    )
+    router_renormalize: bool = key(True, "the k chosen experts' weights divided by their sum (norm_topk_prob)")
+    router_groups: int = key(1, "experts fall into this many equal groups (DeepSeek-V3's n_group)", ">= 1")
+    router_topk_groups: int = key(
+        1, "a token chooses among the groups whose two best scores sum highest, this many", ">= 1"
+    )
+    routed_scale: float = key(1.0, "the routed experts' weights times this (routed_scaling_factor)", "> 0")
+    router_aux_loss_coef: float = key(
+        0.01, "weight of the load-balancing loss (transformers' load_balancing_loss_func) in the training loss", ">= 0"
+    )
+    router_z_loss_coef: float = key(
+        0.0, "weight of the router z-loss, the mean squared logsumexp of its logits", ">= 0"
+    )
+    capacity_factor: float = key(
+        0.0,
+        "each expert takes at most this x its even share of the token copies, the rest dropped (and counted); "
+        "0: none dropped",
+        ">= 0",
+    )
+    hf_type: Literal["mixtral", "qwen3_moe"] = key(
+        "mixtral", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
+    )
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_d_ff or self.d_ff
+
+    def routing(self) -> Routing:
+        return Routing(
+            self.experts,
+            self.experts_per_token,
+            self.router,
+            self.router_renormalize,
+            self.router_groups,
+            self.router_topk_groups,
+            self.routed_scale,
+        )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.experts_per_token > self.experts:
+            raise ConfigError(
+                f"model.experts_per_token={self.experts_per_token} is more than model.experts={self.experts}; "
+                "a token goes through at most every expert."
+            )
+        if self.first_dense_layers >= self.n_layers:
+            raise ConfigError(
+                f"model.first_dense_layers={self.first_dense_layers} leaves none of model.n_layers={self.n_layers} "
+                "to the experts; make it smaller, or use model.name=llama for a dense model."
+            )
+        g = self.router_groups
+        if self.experts % g or (g > 1 and self.experts // g < 2) or self.router_topk_groups > g:
+            raise ConfigError(
+                f"model.router_groups={g} with model.experts={self.experts} and model.router_topk_groups="
+                f"{self.router_topk_groups}: the groups must split the experts evenly, at least 2 to a group, and "
+                "a token chooses among at most all of them."
+            )
+        if g > 1 and self.experts_per_token > self.router_topk_groups * self.experts // g:
+            raise ConfigError(
+                f"model.experts_per_token={self.experts_per_token} is more than the {self.router_topk_groups} "
+                f"groups of {self.experts // g} experts a token chooses among; raise model.router_topk_groups."
+            )
+
+
+class MoeBlock(llama.Block):
+    """A decoder block whose MLP is routed experts; it returns (x, the router's statistics)."""
+
+    reports = True
+
+    def make_mlp(self, cfg: MoeConfig, std: float, out_std: float, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return RoutedExperts(
+            cfg.d_model,
+            cfg.expert_width,
+            cfg.routing(),
+            std=std,
+            out_std=out_std,
+            dtype=dtype,
+            rngs=rngs,
+            capacity_factor=cfg.capacity_factor,
+            shared=cfg.shared_experts,
+        )
+
+    def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> tuple[jax.Array, dict]:
+        found = []
+
+        def routed(h):
+            out, statistics = self.mlp(h)
+            found.append(statistics)
+            return out
+
+        return super().__call__(x, rope, segments, positions, window, mlp=routed), found[0]
+
+    def decode(self, x: jax.Array, rope, cache, start, valid, window=None) -> tuple[jax.Array, tuple]:
+        return super().decode(x, rope, cache, start, valid, window, mlp=lambda h: self.mlp(h)[0])
+
+
+class Moe(llama.Llama):
+    """A LanguageModel like Llama whose layers above `first_dense_layers` route each token to
+    `experts_per_token` of `experts` MLPs; `features`' auxiliary terms are the balancing losses
+    and the experts' load."""
+
+    block = MoeBlock
+
+    def build_layers(self, cfg: MoeConfig, rngs: nnx.Rngs) -> None:
+        if cfg.first_dense_layers:
+            self.dense_layers = stacked(cfg.first_dense_layers, lambda r: llama.Block(cfg, r), rngs)
+        self.layers = stacked(cfg.n_layers - cfg.first_dense_layers, lambda r: self.block(cfg, r), rngs)
+
+    def stacks(self) -> list[tuple[nnx.Module, int]]:
+        moe = [(self.layers, self.cfg.n_layers - self.cfg.first_dense_layers)]
+        return [(self.dense_layers, self.cfg.first_dense_layers), *moe] if self.cfg.first_dense_layers else moe
+
+    def auxiliary(self, reports: list) -> dict:
+        """The load-balancing loss (`balancing_loss`) and the z-loss, both pooled over every MoE
+        layer's tokens; "expert_load", the largest over layers of the busiest expert's copies over
+        the mean (1 when balanced), each layer's too; "dropped", the share of copies dropped for
+        capacity."""
+        cfg, r = self.cfg, reports[-1]
+        balance, z = balancing_loss(r["load"], r["score"]), r["z"].mean()
+        load = r["load"].max(-1) / r["load"].mean(-1)
+        aux = {
+            "loss": cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * z,
+            "aux_loss": balance,
+            "z_loss": z,
+            "expert_load": load.max(),
+            **{f"expert_load/{cfg.first_dense_layers + i}": load[i] for i in range(len(load))},
+        }
+        return aux | ({"dropped": r["dropped"].mean()} if cfg.capacity_factor else {})
+
+
+def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int) -> float:
+    """Llama's count of the parameters a token uses: of each MoE layer's experts, its k."""
+    idle = (cfg.experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_width
+    return llama.flops_per_token(cfg, n_params - (cfg.n_layers - cfg.first_dense_layers) * idle, seq_len)
+
+
+DEBUG = {**llama.DEBUG, "expert_d_ff": 96}
+
+FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, LanguageTask, DEBUG)
