@@ -29,7 +29,7 @@ from podtrain.runtime.mesh import build_mesh  # noqa: E402
 from podtrain.sharding import AXES  # noqa: E402
 from podtrain.train.job import build, compile_step  # noqa: E402
 
-MESHES = "1x1x1x1,8x1x1x1,1x8x1x1,1x1x1x8,2x2x1x2"  # data x fsdp x context x tensor
+MESHES = "1x1x1x1x1,8x1x1x1x1,1x8x1x1x1,1x1x1x1x8,2x2x1x1x2"  # data x fsdp x context x expert x tensor
 MiB = 2**20
 
 

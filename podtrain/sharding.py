@@ -1,4 +1,4 @@
-"""How arrays are laid out on the mesh `data x fsdp x context x tensor`: one table from logical axis names
+"""How arrays are laid out on the mesh `data x fsdp x context x expert x tensor`: one table from logical axis names
 to mesh axes, and the few functions that apply it.
 
 Parameters and activations both name logical axes; `RULES` alone decides what each mesh axis
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "context", "tensor")  # the last varies fastest: tensor on the nearest devices
+AXES = ("data", "fsdp", "context", "expert", "tensor")  # the last varies fastest: tensor on the nearest devices
 
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
@@ -33,11 +33,12 @@ RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients
-    "exp": (),  # an MoE layer's experts
-    # Activations: the batch over data x fsdp, the sequence over context, features over tensor
-    # only; fsdp never splits a feature, so it moves weights, not activations. No weight is split
-    # over context: its gradients are reduced over it as over data.
-    "act_batch": ("data", "fsdp"),
+    "exp": ("expert",),  # an MoE layer's experts
+    # Activations: the batch over data x fsdp x expert, the sequence over context, features over
+    # tensor only; fsdp never splits a feature, so it moves weights, not activations. No weight is
+    # split over context, and only experts over expert: the others' gradients are reduced over
+    # them as over data (outside the MoE layers the expert axis is data parallelism).
+    "act_batch": ("data", "fsdp", "expert"),
     "act_seq": ("context",),
     "act_embed": (),
     "act_heads": ("tensor",),
@@ -176,6 +177,12 @@ def scatter_sum(x: jax.Array, name: str, axis: int) -> jax.Array:
     return jax.lax.psum_scatter(x, over, scatter_dimension=axis, tiled=True) if over else x
 
 
+def sum_over(x: jax.Array, name: str) -> jax.Array:
+    """Inside `per_shard`: the sum of x over the shards along logical axis `name` (an all-reduce)."""
+    over = _split_over(name)
+    return jax.lax.psum(x, over) if over else x
+
+
 def shard_index(name: str) -> jax.Array | int:
     """Inside `per_shard`: this shard's place along logical axis `name` (0 where it is whole)."""
     over = _split_over(name)
@@ -213,7 +220,7 @@ def shards(name: str, size: int) -> int:
 
 
 def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
-    """Rows of a batch over (data, fsdp); `leading` unsharded axes come first (microbatches)."""
+    """Rows of a batch over the batch's axes (data, fsdp, expert); `leading` unsharded axes first (microbatches)."""
     return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["act_batch"]))
 
 

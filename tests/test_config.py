@@ -95,7 +95,7 @@ def test_tpu_mesh_env_with_aliases():
     env = {"TPU_MESH_CONFIG": "4,4,2", "TPU_AXIS_NAMES": "data,model,fsdp"}
     assert mesh_from_env(env) == ["mesh.data=4", "mesh.tensor=4", "mesh.fsdp=2"]
     cfg = load_config(None, ["mesh.fsdp=1"], environ=env)
-    assert dataclasses.astuple(cfg.mesh) == (4, 1, 1, 4)  # the command line wins over the environment
+    assert dataclasses.astuple(cfg.mesh) == (4, 1, 1, 1, 4)  # the command line wins over the environment
 
 
 def test_setup_guide_flags_map_to_keys():
@@ -127,9 +127,15 @@ def test_wrong_type_names_the_key():
 
 
 def test_mesh_minus_one_takes_the_rest():
-    assert resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
-    assert tuple(resolve_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8).values()) == (1, 8, 1, 1)
-    assert tuple(resolve_shape(MeshConfig(data=2, context=-1, tensor=2), 16).values()) == (2, 1, 4, 2)
+    assert resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == {
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "expert": 1,
+        "tensor": 2,
+    }
+    assert tuple(resolve_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8).values()) == (1, 8, 1, 1, 1)
+    assert tuple(resolve_shape(MeshConfig(data=2, context=-1, tensor=2), 16).values()) == (2, 1, 4, 1, 2)
     with pytest.raises(MeshError, match="8 devices cannot"):
         resolve_shape(MeshConfig(data=-1, fsdp=3, tensor=1), 8)
     with pytest.raises(MeshError, match="needs 6 devices but 8"):

@@ -45,7 +45,10 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert (run / "config.yaml").exists() and list(run.glob("events.out.tfevents.*"))
-    assert "[podtrain] cpu: 8 x cpu, process 0/1, mesh data=8 fsdp=1 context=1 tensor=1" in capsys.readouterr().out
+    assert (
+        "[podtrain] cpu: 8 x cpu, process 0/1, mesh data=8 fsdp=1 context=1 expert=1 tensor=1"
+        in capsys.readouterr().out
+    )
 
     assert main(["train", *common, "train.steps=8"]) == 0
     assert "resuming from step 6" in capsys.readouterr().out

@@ -69,6 +69,22 @@ FAMILIES = {
             "hidden_activation": "gelu_pytorch_tanh",
         },
     ),
+    # mixtures of experts, their per-expert tensors as the Hub stores them; Qwen3-MoE's weights unnormalised
+    "mixtral": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "tie_word_embeddings": False},
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "head_dim": 24,
+            "tie_word_embeddings": False,
+        },
+    ),
     # layer 0 slides with RoPE base 10,000, layer 1 attends to all with base 1e6 stretched linearly
     "gemma3": (
         "gemma3_text",
@@ -110,6 +126,11 @@ def test_family_imports_generates_and_exports_like_transformers(tmp_path, varian
     cfg, fns, params = Run.at(tmp_path / "run").language_model()
     difference = np.abs(np.asarray(fns.apply(params, TOKENS)) - torch_logits(model, TOKENS)).max()
     assert difference < 1e-4, difference
+    if cfg.model.name == "moe":  # the balancing loss over both layers' routing, as transformers reports it
+        with torch.no_grad():
+            theirs = model(torch.from_numpy(TOKENS), output_router_logits=True).aux_loss
+        ours = fns.module(params).features(TOKENS)[2]["aux_loss"]
+        np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
 
     prompt = TOKENS[0, :7]
     with torch.no_grad():

@@ -10,8 +10,13 @@ from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
 from podtrain.models import build_model
 from podtrain.models.experts import RoutedExperts, Routing, balancing_loss, queue_places, route, router_statistics
+from podtrain.runtime.mesh import build_mesh, resolve_shape
+from podtrain.sharding import logical_sharding, sharded_jit
+from podtrain.train.job import build
+from podtrain.train.state import model_fns
+from podtrain.train.tasks.language import next_token_loss
 
-from helpers import trainer
+from helpers import SMALL, run_steps, trainer
 
 MOE = ["model.name=moe", "model.experts=4", "model.experts_per_token=2", "model.expert_d_ff=32"]
 
@@ -128,12 +133,75 @@ def test_an_moe_trains_and_reports_its_routing(small_overrides):
 @pytest.mark.parametrize(
     "bad,words",
     [
-        (["model.experts_per_token=5"], "at most every expert"),
-        (["model.first_dense_layers=2"], "leaves none"),
-        (["model.router_groups=3"], "split the experts evenly"),
-        (["model.router_groups=2", "model.experts_per_token=3"], "raise model.router_topk_groups"),
+        ([*MOE, "model.experts_per_token=5"], "at most every expert"),
+        ([*MOE, "model.first_dense_layers=2"], "leaves none"),
+        ([*MOE, "model.router_groups=3"], "split the experts evenly"),
+        ([*MOE, "model.router_groups=2", "model.experts_per_token=3"], "raise model.router_topk_groups"),
+        ([*MOE, "mesh.expert=3", "mesh.data=1"], "a divisor of the experts"),
+        (["mesh.expert=2"], "model.name=llama, which has no experts"),
     ],
 )
 def test_impossible_routing_is_refused(small_overrides, bad, words):
     with pytest.raises(ConfigError, match=words):
-        load_config(None, [*small_overrides, *MOE, *bad])
+        load_config(None, [*small_overrides, *bad])
+
+
+def loss_and_grads(overrides, n_devices):
+    """The loss of one fixed batch and its gradients, on the mesh of `overrides`."""
+    cfg = load_config(None, [*SMALL, *MOE, "model.router_z_loss_coef=0.001", *overrides])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:n_devices])
+    fns = model_fns(cfg, mesh)
+
+    def fn(params, tokens):
+        return jax.value_and_grad(lambda p: next_token_loss(fns.module(p), None, tokens, None)[0])(params)
+
+    tokens = jax.random.randint(jax.random.key(5), (8, 33), 0, 256)
+    tokens = jax.device_put(tokens, logical_sharding(("act_batch", None), tokens.shape, mesh))
+    return jax.device_get(sharded_jit(fn, mesh)(fns.init(jax.random.key(0)), tokens))
+
+
+EXPERT_MESHES = {  # expert 2 and 4, alone (on 4 devices) and with each other axis (on 8)
+    "expert4": ["mesh.data=1", "mesh.expert=4"],
+    "data2-expert4": ["mesh.data=2", "mesh.expert=4"],
+    "expert2-fsdp2-tensor2": ["mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    "expert2-context2-data2": ["mesh.data=2", "mesh.expert=2", "mesh.context=2"],
+}
+
+
+@pytest.mark.parametrize("case", EXPERT_MESHES)
+def test_expert_parallel_equals_one_device(case):
+    """Dropless routing with the experts split over the expert axis (and the others): the loss,
+    balancing terms included, and every gradient equal one device's within 1e-5."""
+    if "one" not in _one_device:
+        _one_device["one"] = loss_and_grads(["mesh.data=1"], 1)
+    overrides = EXPERT_MESHES[case]
+    loss, grads = loss_and_grads(overrides, 4 if case == "expert4" else 8)
+    ref_loss, ref_grads = _one_device["one"]
+    np.testing.assert_allclose(loss, ref_loss, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), grads, ref_grads)
+
+
+_one_device = {}
+
+
+def test_the_experts_live_split_and_the_tokens_travel_along_the_expert_axis():
+    """On data=2 x expert=4 each device holds 1 of the 4 experts, and the compiled step moves
+    tokens along `expert` (the dispatch's all-gather and the combine's reduce-scatter); with the
+    same 8 devices all on data, nothing moves along it and every device holds every expert."""
+    from podtrain.planning import hlo
+
+    for axis in ("expert", "data"):
+        cfg = load_config(None, [*SMALL, *MOE, "mesh.data=-1", f"mesh.{axis}=4" if axis == "expert" else "mesh.data=8"])
+        job = build(cfg, build_mesh(cfg.mesh, jax.devices()), data=False)
+        w_gate = job.abstract_state["params"]["layers"]["mlp"]["w_gate"]
+        assert w_gate.sharding.shard_shape(w_gate.shape)[1] == (1 if axis == "expert" else 4)
+        found = hlo.collectives(job.step.lower(job.abstract_state, job.task.train_batch).compile().as_text())
+        along = {c.kind for c in found if "expert" in hlo.mesh_axes(c, resolve_shape(cfg.mesh, 8))}
+        assert along >= {"all-gather", "reduce-scatter"} if axis == "expert" else not along, along
+
+
+def test_training_steps_with_experts_split_equal_one_device():
+    ref_losses, ref_params = run_steps([*SMALL, *MOE, "mesh.data=1"], 1, n_steps=2)
+    losses, params = run_steps([*SMALL, *MOE, "mesh.data=2", "mesh.expert=4"], 8, n_steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)

@@ -51,7 +51,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} context=1 tensor={mesh[2]}" in done.stdout
+    assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} context=1 expert=1 tensor={mesh[2]}" in done.stdout
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"process_{i}.log" for i in range(nproc)]
 
     losses, params = run_steps(overrides, n_devices=8)

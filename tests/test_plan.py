@@ -17,6 +17,7 @@ from podtrain.planning import fit, plan
 from podtrain.planning import targets as hardware
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh, factorizations
+from podtrain.sharding import AXES
 from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.state import model_fns
@@ -144,7 +145,7 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     assert all(v > 0 for v in speeds) and speeds == sorted(speeds, reverse=True)
     by_mesh = {}
     for changes, p in plans:
-        assert p.mesh == {a: changes[f"mesh.{a}"] for a in ("data", "fsdp", "context", "tensor")}
+        assert p.mesh == {a: changes[f"mesh.{a}"] for a in AXES}
         assert p.cfg.model.remat == changes["model.remat"] and p.tokens_per_step == 8 * 32
         assert p.step_time == max(p.times["compute"], p.times["memory"], p.times["network"]) > 0
         assert p.tokens_per_sec == pytest.approx(p.tokens_per_step / p.step_time, rel=1e-12)
@@ -154,14 +155,12 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     for remats in by_mesh.values():
         assert remats["full"].temporaries <= remats["dots"].temporaries <= remats["none"].temporaries
         assert remats["full"].temporaries < remats["none"].temporaries
-    assert by_mesh[(1, 2, 1, 2)]["none"].params * 2 == by_mesh[(2, 1, 1, 2)]["none"].params  # fsdp=2 halves them
+    assert by_mesh[(1, 2, 1, 1, 2)]["none"].params * 2 == by_mesh[(2, 1, 1, 1, 2)]["none"].params  # fsdp=2 halves them
     table = plan.sweep_table(rows).splitlines()
     assert len(table) == 1 + 18 and "tensor" in table[0]
     assert sum("cannot: The microbatch" in line for line in table) == 9
     for line, (changes, _) in zip(table[1:], rows):
-        assert line.split()[:5] == [
-            str(changes[k]) for k in ("mesh.data", "mesh.fsdp", "mesh.context", "mesh.tensor", "model.remat")
-        ]
+        assert line.split()[:6] == [str(changes[k]) for k in (*(f"mesh.{a}" for a in AXES), "model.remat")]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -183,7 +182,13 @@ def test_gpu_target_is_an_estimate_in_json():
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["fits"] is True and report["estimate"] is True and report["devices"] == 1
-    assert report["target"] == "h100" and report["mesh"] == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
+    assert report["target"] == "h100" and report["mesh"] == {
+        "data": 1,
+        "fsdp": 1,
+        "context": 1,
+        "expert": 1,
+        "tensor": 1,
+    }
     chip = chips.CHIPS["h100"]
     assert report["device_bytes"] == 0.75 * chip.memory  # JAX's GPU allocator's default share
 

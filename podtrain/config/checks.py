@@ -88,6 +88,13 @@ def validate(cfg: Config) -> None:
             f"{' and '.join(lacking)}: cuDNN's fused attention takes no sliding window or soft-cap; use "
             "model.attention=xla (or auto)."
         )
+    experts = getattr(cfg.model, "experts", 0)
+    if cfg.mesh.expert > 1 and (not experts or experts % cfg.mesh.expert):
+        having = f"model.experts={experts}" if experts else f"model.name={cfg.model.name}, which has no experts"
+        raise ConfigError(
+            f"mesh.expert={cfg.mesh.expert} splits an MoE layer's experts evenly over its devices, and {having}; "
+            "give mesh.expert a divisor of the experts, or put those devices on mesh.data."
+        )
     profile = t.profile_steps
     if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
         raise ConfigError(

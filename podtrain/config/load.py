@@ -45,7 +45,7 @@ _Yaml.add_implicit_resolver(
 )
 
 # The names the field gives the mesh axes, in configs and TPU_AXIS_NAMES.
-MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context"}
+MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context", "ep": "expert"}
 
 
 def default_config(model: str = "llama") -> Config:

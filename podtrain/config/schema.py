@@ -116,6 +116,12 @@ class MeshConfig:
         "devices that split each sequence (context parallelism; aliases cp, sequence); weights replicated",
         "-1 or >= 1",
     )
+    expert: int = key(
+        1,
+        "devices that split an MoE layer's experts (expert parallelism; alias ep), the tokens exchanged between "
+        "them; elsewhere they split the batch, as data does",
+        "-1 or >= 1",
+    )
     tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
 
 

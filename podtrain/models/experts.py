@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from podtrain.models.layers import ACT, SwiGLU, param, swiglu
-from podtrain.sharding import constrain, gather, per_shard, scatter_sum, shard_index, shards
+from podtrain.sharding import constrain, gather, per_shard, scatter_sum, shard_index, sum_over
 
 EXPERT_IN, EXPERT_OUT = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")  # (E, D, F) and (E, F, D)
+# What the backward of the experts keeps: their tokens and hidden layer. The rest (the sort, the
+# gathered weights) it computes again.
+KEPT = ("expert_tokens", "expert_gate_up")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,18 @@ class Routing:
     scale: float = 1.0  # the weights times this (DeepSeek-V3's routed_scaling_factor)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis (the lower index first among equals) by k argmaxes: XLA
+    splits it over the other axes like any reduction, where its sort-based top_k is gathered whole."""
+    values, indices = [], []
+    for _ in range(k):
+        best = jnp.argmax(x, axis=-1)
+        values.append(jnp.take_along_axis(x, best[..., None], axis=-1)[..., 0])
+        indices.append(best)
+        x = jnp.where(jax.nn.one_hot(best, x.shape[-1], dtype=bool), -jnp.inf, x)
+    return jnp.stack(values, -1), jnp.stack(indices, -1)
+
+
 def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(weights (..., k) float32, chosen experts (..., k) int32, scores (..., E) float32) of router
     logits (..., E). `bias` (E,) moves only the choice, never the weights (DeepSeek-V3's
@@ -45,11 +62,11 @@ def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Ar
     choice = scores if bias is None else scores + bias[(None,) * (scores.ndim - 1)]
     if r.groups > 1:
         grouped = choice.reshape(*choice.shape[:-1], r.groups, -1)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
-        kept_groups = jax.lax.top_k(group_score, r.topk_groups)[1]
+        group_score = top_k(grouped, 2)[0].sum(-1)
+        kept_groups = top_k(group_score, r.topk_groups)[1]
         keep = jax.nn.one_hot(kept_groups, r.groups, dtype=jnp.int32).sum(-2) > 0
         choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
-    chosen = jax.lax.top_k(choice, r.k)[1]
+    chosen = top_k(choice, r.k)[1]
     weights = jnp.take_along_axis(scores, chosen, axis=-1)
     if r.renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if r.score == "sigmoid" else 0.0))
@@ -60,7 +77,7 @@ def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_in: jax.Array, w_down: jax.Ar
     """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum give
     zeros), through w_in (E, D, 2, F) and w_down (E, F, D)."""
     e, d, _, f = w_in.shape
-    gate_up = jax.lax.ragged_dot(xs, w_in.reshape(e, d, 2 * f), sizes).reshape(-1, 2, f)
+    gate_up = checkpoint_name(jax.lax.ragged_dot(xs, w_in.reshape(e, d, 2 * f), sizes), KEPT[1]).reshape(-1, 2, f)
     return jax.lax.ragged_dot(swiglu(gate_up), w_down, sizes)
 
 
@@ -102,20 +119,23 @@ def by_capacity(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Ar
 
 
 def expert_parallel(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
-    """`dropless` of tokens x (B, T, D) and their chosen (B, T, k) experts -> (B, T, k, D), with the
-    experts split over `mesh.expert`: each shard gathers the tokens of its group of expert shards,
-    runs those routed to its own experts, and the partial outputs are summed back onto the shards
-    the tokens came from (an all-gather, then a reduce-scatter, both along the expert axis)."""
+    """`dropless` of tokens x (B, T, D) and their chosen (B, T, k) experts -> (B, T, k, D), run on
+    each device's own tokens, so that no sort spans devices. With the experts split over
+    `mesh.expert`, each shard gathers the tokens of its group of expert shards, runs those routed
+    to its own experts, and the partial outputs are summed back onto the shards the tokens came
+    from (an all-gather, then a reduce-scatter, along the expert axis). The experts' hidden layer
+    stays split over tensor (Megatron: one all-reduce of the outputs), and their weights, split
+    over fsdp, are gathered where used and again in the backward, never kept whole (ZeRO-3)."""
 
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*KEPT))
     def on_shard(x, chosen, w_in, w_down):
-        x, chosen = gather(x, "exp", 0), gather(chosen, "exp", 0)
+        w_in, w_down = gather(w_in, "embed", 1), gather(w_down, "embed", 2)
+        x, chosen = checkpoint_name(gather(x, "exp", 0), KEPT[0]), gather(chosen, "exp", 0)
         b, t, k = chosen.shape
         out = dropless(x.reshape(b * t, -1), chosen.reshape(b * t, k), w_in, w_down, shard_index("exp") * len(w_in))
-        return scatter_sum(out.reshape(b, t, k, -1), "exp", 0)
+        return scatter_sum(sum_over(out.reshape(b, t, k, -1), "mlp"), "exp", 0)
 
-    if shards("exp", w_in.shape[0]) == 1:
-        return on_shard(x, chosen, w_in, w_down)
-    names = (ACT, ACT[:2] + (None,), ("exp", None, None, None), ("exp", None, None))
+    names = (ACT, ACT[:2] + (None,), ("exp", "embed", None, "mlp"), ("exp", "mlp", "embed"))
     return per_shard(on_shard, names, (*ACT[:2], None, None))(x, chosen, w_in, w_down)
 
 

@@ -22,6 +22,7 @@ from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
 from podtrain.runtime.chips import GiB, device_memory
 from podtrain.runtime.mesh import build_mesh, resolve_shape
+from podtrain.sharding import RULES
 from podtrain.train.job import Job, build
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", re.S)
@@ -116,15 +117,15 @@ def remedies(cfg: Config, n_devices: int) -> list[dict]:
     """The usual changes, one at a time and smallest first: more fsdp (taken from the data axis),
     remat dots then full, a smaller microbatch with gradient accumulation; then all together."""
     shape = resolve_shape(cfg.mesh, n_devices)
-    data, fsdp, tensor = shape["data"], shape["fsdp"], shape["tensor"]
+    data, fsdp = shape["data"], shape["fsdp"]
     t, policies = cfg.train, ("none", "dots", "full")
     sharded = [
-        {"mesh.data": data // k, "mesh.fsdp": fsdp * k, "mesh.context": shape["context"], "mesh.tensor": tensor}
+        {f"mesh.{a}": size for a, size in shape.items()} | {"mesh.data": data // k, "mesh.fsdp": fsdp * k}
         for k in (2**i for i in range(1, 31))
         if data % k == 0
     ]
     remat = [{"model.remat": p} for p in policies[policies.index(cfg.model.remat) + 1 :]]
-    dp = data * fsdp  # the microbatch splits over data x fsdp whatever their split
+    dp = math.prod(shape[a] for a in RULES["act_batch"])  # the microbatch splits over these whatever their split
     accum = [
         {"train.grad_accum": a}
         for a in range(t.grad_accum + 1, t.batch_size + 1)

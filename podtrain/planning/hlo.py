@@ -192,6 +192,8 @@ def collectives(hlo: str) -> list[Collective]:
                 arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
             groups = _GROUPS.search(line) or _PAIRS.search(line)
             group_size = _group_size(groups.group(1)) if groups else None
+            if group_size == 1:
+                continue  # each device alone (a shard_map's sum over axes of size 1): nothing moves
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
             if kind == "reduce-scatter":
                 size *= group_size or 1

@@ -30,6 +30,7 @@ from podtrain.planning import cost, fit, hlo
 from podtrain.planning.targets import Target
 from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
+from podtrain.sharding import AXES
 from podtrain.train.job import build
 
 TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`
@@ -148,13 +149,13 @@ def _cost_flops(compiled) -> float | None:
 
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
     """Every mesh whose product is the device count, under each remat policy: its plan, or why the
-    model cannot take it; fitting plans first, fastest first. A config that splits the sequence
-    (mesh.context other than 1) has every context size tried too; one that does not keeps it whole."""
+    model cannot take it; fitting plans first, fastest first. The context and expert axes are
+    tried only where the config uses them (other than 1); else they stay 1."""
     n, rows = len(target.devices), []
-    shapes = factorizations(n, 4) if cfg.mesh.context != 1 else [(d, f, 1, t) for d, f, t in factorizations(n)]
-    for data, fsdp, context, tensor in shapes:
+    tried = [a for a in AXES if a not in ("context", "expert") or getattr(cfg.mesh, a) != 1]
+    for sizes in factorizations(n, len(tried)):
         for remat in ("none", "dots", "full"):
-            changes = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.context": context, "mesh.tensor": tensor}
+            changes = {f"mesh.{a}": 1 for a in AXES} | {f"mesh.{a}": s for a, s in zip(tried, sizes)}
             changes["model.remat"] = remat
             try:
                 rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
@@ -285,14 +286,11 @@ def report(p: Plan, top: int = 0) -> str:
 
 def sweep_table(rows: list) -> str:
     lines = [
-        f"{'data':>4} {'fsdp':>4} {'context':>7} {'tensor':>6} {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  "
-        f"{'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
+        " ".join(f"{a:>4}" for a in AXES)
+        + f" {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
     ]
     for changes, p in rows:
-        mesh = (
-            f"{changes['mesh.data']:>4} {changes['mesh.fsdp']:>4} {changes['mesh.context']:>7} "
-            f"{changes['mesh.tensor']:>6} {changes['model.remat']:>5}"
-        )
+        mesh = " ".join(f"{changes[f'mesh.{a}']:>{max(4, len(a))}}" for a in AXES) + f" {changes['model.remat']:>5}"
         if isinstance(p, str):
             lines.append(f"{mesh}  cannot: {p.split('. ')[0]}")
         else:

@@ -1,4 +1,4 @@
-"""The named mesh `data x fsdp x context x tensor`: its shape resolved and checked against the devices.
+"""The named mesh `data x fsdp x context x expert x tensor`: its shape resolved and checked against the devices.
 
 What each axis shards is `podtrain.sharding`'s business; this module only builds the mesh."""
 

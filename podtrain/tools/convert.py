@@ -76,9 +76,9 @@ def export_hf(run_dir: str, out_dir: str, dtype: str | None = None) -> tuple[lis
     dtype = dtype or export_dtype(run_dir)
     run = Run.at(run_dir)
     cfg, _, params = run.language_model()
-    if cfg.model.name != "llama":
+    if cfg.model.name not in ("llama", "moe"):
         raise ConfigError(
-            f"{run_dir} trained model.name={cfg.model.name}; only llama has Hugging Face architectures "
+            f"{run_dir} trained model.name={cfg.model.name}; only llama and moe have Hugging Face architectures "
             f"(model_type {', '.join(FAMILIES)}) to export to."
         )
     family = export_family(cfg.model)

@@ -74,7 +74,7 @@ def initial_weights(source: str, abstract_params, cfg: Config):
     folder = hf_checkpoint.hf_folder(source)
     hf = hf_checkpoint.read_hf_config(folder)
     keys = config_json.model_keys(hf, source)
-    if cfg.model.name == "llama":
+    if cfg.model.name == keys["name"]:
         changed = config_json.shape_differences(keys, cfg.model)
     else:
         changed = [f"model.name ({keys['name']} there, {cfg.model.name} here)"]

@@ -34,7 +34,8 @@ HUB_FILES = [
     "special_tokens_map.json",
 ]
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
-# How a podtrain array is stored in a table entry (name, in_axes[, part]): in_axes k > 0 is a torch
+# How a podtrain array is stored in a table entry (name, in_axes[, part]). The name's {i} is the
+# layer and {e} the expert: the array's first axes index them, one tensor each. in_axes k > 0 is a torch
 # Linear weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
 # vector (a bias, a norm's scale) stored as one axis; AS_IS is stored with the array's own shape.
 # Entries that share a name and number their `part` are one fused tensor (Phi-3's qkv_proj), their
@@ -124,9 +125,14 @@ def _hf_shape(shape: tuple[int, ...], in_axes: int | None) -> tuple[int, ...]:
     return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else (math.prod(shape),)
 
 
-def _one(path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of one source tensor of a podtrain array: a layer's, for the stacked ones."""
-    return shape[1:] if path.startswith("layers/") else shape
+def _lead(table: dict, path: str) -> int:
+    """How many leading axes of a podtrain array index its tensors: the layer's, the expert's."""
+    return sum(f"{{{axis}}}" in table[path][0] for axis in "ie")
+
+
+def _one(table: dict, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one source tensor of a podtrain array: a layer's (an expert's), for the stacked ones."""
+    return shape[_lead(table, path) :]
 
 
 def _rows(table: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int, int]]:
@@ -141,9 +147,14 @@ def _rows(table: dict, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[in
     return spans
 
 
-def _names(table: dict, path: str, n_layers: int) -> list[str]:
-    name = table[path][0]
-    return [name.format(i=i) for i in range(n_layers)] if path.startswith("layers/") else [name]
+def _indices(table: dict, path: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The index of each of a podtrain array's tensors along its leading axes, in order."""
+    return list(np.ndindex(shape[: _lead(table, path)]))
+
+
+def _names(table: dict, path: str, shape: tuple[int, ...]) -> list[str]:
+    """The names of a podtrain array's tensors, in `_indices` order."""
+    return [table[path][0].format(**dict(zip("ie", index))) for index in _indices(table, path, shape)]
 
 
 def read_params(folder: Path, abstract_params, table: dict, where: str, elsewhere: tuple[str, ...] = ()):
@@ -155,9 +166,9 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         paths = [leaf_name(p) for p, _ in leaves]
-        n_layers = next(leaf.shape[0] for path, (_, leaf) in zip(paths, leaves) if path.startswith("layers/"))
-        rows = _rows(table, {path: _one(path, leaf.shape) for path, (_, leaf) in zip(paths, leaves)})
-        wanted = {name for p in paths for name in _names(table, p, n_layers)}
+        shapes = {path: leaf.shape for path, (_, leaf) in zip(paths, leaves)}
+        rows = _rows(table, {path: _one(table, path, shape) for path, shape in shapes.items()})
+        wanted = {name for p in paths for name in _names(table, p, shapes[p])}
         missing = sorted(wanted - set(tensors.where), key=len)
         tied_copy = {table["head"][0]} if "head" not in paths else set()  # some tied exports keep a copy
         extra = sorted(
@@ -174,15 +185,14 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
             raise CheckpointError(f"{where} does not hold the tensors of this model config: {listing}.")
         arrays = []
         for path, (_, leaf) in zip(paths, leaves):
-            in_axes, names = table[path][1], _names(table, path, n_layers)
-            stacked = path.startswith("layers/")
+            in_axes, names, lead = table[path][1], _names(table, path, leaf.shape), _lead(table, path)
             one = (
                 jax.ShapeDtypeStruct(
-                    _one(path, leaf.shape),
+                    _one(table, path, leaf.shape),
                     leaf.dtype,
-                    sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[1:])),
+                    sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec(*leaf.sharding.spec[lead:])),
                 )
-                if stacked
+                if lead
                 else leaf
             )
             expected = _hf_shape(one.shape, in_axes)
@@ -195,7 +205,7 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
                     )
             part = rows[path][:2] if path in rows else None
             placed = (_place(tensors.get(name, part), one, in_axes) for name in names)
-            arrays.append(_stacked(placed, leaf) if stacked else next(placed))
+            arrays.append(_stacked(placed, leaf, lead) if lead else next(placed))
         return jax.tree_util.tree_unflatten(treedef, arrays)
     finally:
         tensors.close()
@@ -207,18 +217,20 @@ def _place(tensor: np.ndarray, target: jax.ShapeDtypeStruct, in_axes: int) -> ja
     return jax.make_array_from_callback(target.shape, target.sharding, lambda index: tensor[index].astype(target.dtype))
 
 
-def _stacked(layers, leaf: jax.ShapeDtypeStruct) -> jax.Array:
-    """A (layers, ...) param assembled where it lives, one layer written in place at a time, so
-    that the host never holds the stack."""
+def _stacked(pieces, leaf: jax.ShapeDtypeStruct, lead: int) -> jax.Array:
+    """A (layers, [experts,] ...) param assembled where it lives, one tensor written in place at a
+    time (its first `lead` axes index them, in order), so that the host never holds the stack."""
     empty = jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=leaf.sharding)
     put = jax.jit(
-        lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+        lambda stack, piece, index: jax.lax.dynamic_update_slice(
+            stack, piece.reshape((1,) * lead + piece.shape), (*index, *(0,) * piece.ndim)
+        ),
         donate_argnums=0,
         out_shardings=leaf.sharding,
     )
     stack = empty()
-    for i, layer in enumerate(layers):
-        stack = put(stack, layer, i)
+    for index, piece in zip(np.ndindex(leaf.shape[:lead]), pieces):
+        stack = put(stack, piece, tuple(jnp.int32(i) for i in index))
     return stack
 
 
@@ -229,17 +241,16 @@ def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
 
     np_dtype = np.dtype(jnp.dtype(dtype))
     flat = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    n_layers = flat["layers/attn/wq"].shape[0]
-    rows = _rows(table, {path: _one(path, x.shape) for path, x in flat.items()})
+    rows = _rows(table, {path: _one(table, path, x.shape) for path, x in flat.items()})
     fused = {}  # the parts of each fused tensor, in their order
     for path in sorted(rows, key=lambda p: rows[p][0]):
         fused.setdefault(table[path][0], []).append(path)
 
-    def piece(path: str, i: int) -> np.ndarray:
-        """Layer i's (or the only) array of param `path` in torch's layout."""
+    def piece(path: str, index: tuple[int, ...]) -> np.ndarray:
+        """The tensor at `index` (a layer's, an expert's; () for the only one) of param `path` in torch's layout."""
         x, in_axes = flat[path], table[path][1]
-        shape = _hf_shape(_one(path, x.shape), in_axes)
-        a = np.asarray(jax.device_get(x[i] if path.startswith("layers/") else x))
+        shape = _hf_shape(_one(table, path, x.shape), in_axes)
+        a = np.asarray(jax.device_get(x[index]))
         return a.reshape(shape[::-1]).T if in_axes else a.reshape(shape)
 
     def entries():
@@ -248,12 +259,12 @@ def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
             parts = fused.get(table[path][0], [path])
             if path != parts[0]:
                 continue  # written with the first part of its tensor
-            shape = _hf_shape(_one(path, x.shape), table[path][1])
+            shape = _hf_shape(_one(table, path, x.shape), table[path][1])
             shape = (rows[path][2], *shape[1:]) if path in rows else shape
-            for i, name in enumerate(_names(table, path, n_layers)):
+            for index, name in zip(_indices(table, path, x.shape), _names(table, path, x.shape)):
 
-                def make(i=i, parts=parts):
-                    return np.ascontiguousarray(np.concatenate([piece(p, i) for p in parts]).astype(np_dtype))
+                def make(index=index, parts=parts):
+                    return np.ascontiguousarray(np.concatenate([piece(p, index) for p in parts]).astype(np_dtype))
 
                 yield name, shape, make
 

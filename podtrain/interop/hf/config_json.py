@@ -23,6 +23,17 @@ ROPE_SCALING_KEYS = {
 # Model keys that decide the params' shapes or what they compute: a checkpoint loads only into equal ones.
 STRUCTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "head_dim")
 STRUCTURE_KEYS += tuple(DECODER_DEFAULTS)
+# An MoE's: its experts, how many a token takes and how their weights are normalised.
+EXPERT_KEYS = ("experts", "experts_per_token", "expert_d_ff", "router_renormalize")
+# The routing options of podtrain's MoE a Hugging Face MoE family computes only at these values.
+ROUTING_DEFAULTS = {
+    "router": "softmax",
+    "router_groups": 1,
+    "router_topk_groups": 1,
+    "routed_scale": 1.0,
+    "shared_experts": 0,
+    "first_dense_layers": 0,
+}
 
 
 def _windows(hf: dict, family: HfFamily, n_layers: int) -> dict:
@@ -124,6 +135,9 @@ def model_keys(hf: dict, where: str) -> dict:
         "embd_pdrop": (0.0,),
         "mlp_bias": (False,),
         "use_bidirectional_attention": (None, False),
+        "router_jitter_noise": (0.0, None),  # a training-time perturbation of the router podtrain does not make
+        "decoder_sparse_step": (1,),  # every layer an MoE layer
+        "mlp_only_layers": ([],),
     }
     for name, values in accepted.items():
         if name in hf and hf[name] not in values:
@@ -166,8 +180,22 @@ def model_keys(hf: dict, where: str) -> dict:
         **{option: read[option] for option in family.free},
         **rope,
         **_windows(hf, family, hf["num_hidden_layers"]),
+        **(_experts(hf) if family.experts else {}),
     }
     return keys
+
+
+def _experts(hf: dict) -> dict:
+    """model.name=moe and its keys, from an MoE family's config.json (transformers 5 writes
+    num_local_experts for Qwen3-MoE too, where the Hub's files say num_experts)."""
+    return {
+        "name": "moe",
+        "experts": hf.get("num_local_experts") or hf["num_experts"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        "expert_d_ff": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+        "router_renormalize": bool(hf.get("norm_topk_prob", True)),  # Mixtral always renormalises
+        "router_aux_loss_coef": float(hf["router_aux_loss_coef"]),
+    }
 
 
 def _misfits(family: HfFamily, model) -> list[str]:
@@ -183,6 +211,12 @@ def _misfits(family: HfFamily, model) -> list[str]:
         found.append("a sliding window")
     if model.sliding_window and family.windows == "all" and model.full_attention_layers:
         found.append("sliding windows on some layers only")
+    if family.experts != (model.name == "moe"):
+        found.append(f"model.name={model.name}")
+    elif family.experts:
+        found += [f"model.{k}={getattr(model, k)}" for k, v in ROUTING_DEFAULTS.items() if getattr(model, k) != v]
+        if not model.router_renormalize and "norm_topk_prob" not in family.fields:
+            found.append("model.router_renormalize=false")
     return found
 
 
@@ -255,6 +289,21 @@ def hf_config(model, eos_id: int | None, dtype: str) -> dict:
         config["rope_local_base_freq"] = model.rope_local_theta or model.rope_theta
     if "rotary_fraction" in family.free:
         config["partial_rotary_factor"] = model.rotary_fraction
+    if family.experts:
+        config |= {
+            "num_local_experts" if "moe_intermediate_size" not in family.fields else "num_experts": model.experts,
+            "num_experts_per_tok": model.experts_per_token,
+            "router_aux_loss_coef": model.router_aux_loss_coef,
+        }
+        if "moe_intermediate_size" in family.fields:  # Qwen3-MoE: intermediate_size is a dense layer's
+            config |= {
+                "moe_intermediate_size": model.expert_width,
+                "norm_topk_prob": model.router_renormalize,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        else:
+            config["intermediate_size"] = model.expert_width
     windows = model.layer_windows() or [0] * model.n_layers
     types = ["sliding_attention" if w else "full_attention" for w in windows]
     if family.windows == "all":
@@ -275,6 +324,6 @@ def shape_differences(keys: dict, model) -> list[str]:
     """The structure keys in which an HF config's keys and a podtrain model config differ."""
     return [
         f"model.{k} ({keys[k]} there, {getattr(model, k)} here)"
-        for k in STRUCTURE_KEYS
-        if keys[k] != getattr(model, k) and not (k == "head_dim" and keys[k] == model.head_size)
+        for k in STRUCTURE_KEYS + EXPERT_KEYS
+        if k in keys and keys[k] != getattr(model, k) and not (k == "head_dim" and keys[k] == model.head_size)
     ]

@@ -50,6 +50,22 @@ PHI3_TENSORS = {  # q, k and v fused in qkv_proj; gate and up in gate_up_proj (g
     "layers/mlp/w_up": ("model.layers.{i}.mlp.gate_up_proj.weight", 1, 1),
 }
 
+DENSE_MLP = ("layers/mlp/w_gate", "layers/mlp/w_up", "layers/mlp/w_down")
+MIXTRAL_TENSORS = {  # the Hub's files keep each expert's weights apart
+    **{k: v for k, v in LLAMA_TENSORS.items() if k not in DENSE_MLP},
+    "layers/mlp/router": ("model.layers.{i}.block_sparse_moe.gate.weight", 1),
+    "layers/mlp/w_gate": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", 1),
+    "layers/mlp/w_up": ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", 1),
+    "layers/mlp/w_down": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", 1),
+}
+QWEN3_MOE_TENSORS = {
+    **{k: v for k, v in LLAMA_TENSORS.items() if k not in DENSE_MLP},
+    "layers/mlp/router": ("model.layers.{i}.mlp.gate.weight", 1),
+    "layers/mlp/w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", 1),
+    "layers/mlp/w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", 1),
+    "layers/mlp/w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", 1),
+}
+
 # Fields that do not change what the model computes from tokens.
 INERT = {
     "architectures",
@@ -65,6 +81,7 @@ INERT = {
     "initializer_range",
     "_name_or_path",
     "pretraining_tp",  # a Llama 2 training setting that transformers no longer reads
+    "output_router_logits",  # whether an MoE returns its router's logits
 }
 # Fields every family reads.
 SHARED = {
@@ -110,6 +127,7 @@ class HfFamily:
     defaults: dict  # transformers' values of fields a config.json may leave out
     activation: tuple[str, str] = ("hidden_act", "silu")  # the field naming the MLP's activation, its value
     tensors: dict = field(default_factory=lambda: LLAMA_TENSORS)
+    experts: bool = False  # a mixture of experts (model.name=moe): config_json.EXPERT_FIELDS say how many
 
 
 BIAS = {"attention_bias": ("none", "all")}  # transformers' attention_bias: on q, k, v and the output
@@ -181,6 +199,38 @@ FAMILIES = {
             GEMMA_TENSORS,
         ),
         HfFamily(
+            "mixtral",
+            "MixtralForCausalLM",
+            frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok"})
+            | {"router_aux_loss_coef", "router_jitter_noise"},
+            {},
+            {},
+            "all",
+            {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+            tensors=MIXTRAL_TENSORS,
+            experts=True,
+        ),
+        HfFamily(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            QWEN_WINDOWS
+            | {"attention_bias", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size"}
+            | {"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef"},
+            {"qk_norm": True},
+            BIAS,
+            "qwen",
+            {
+                "head_dim": 128,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+                "norm_topk_prob": False,
+                "router_aux_loss_coef": 0.001,
+            },
+            tensors=QWEN3_MOE_TENSORS,
+            experts=True,
+        ),
+        HfFamily(
             "phi3",
             "Phi3ForCausalLM",
             # original_max_position_embeddings only matters to longrope scaling, which is refused
@@ -243,7 +293,8 @@ def family_of(hf: dict, where: str) -> HfFamily:
         kind = kind or (hf.get("architectures") or ["an unknown architecture"])[0]
         raise ConfigError(
             f"{where} holds a `{kind}` model; podtrain converts model_type {', '.join(FAMILIES)} (Llama, SmolLM, "
-            "TinyLlama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Phi-3) and the language model of a multimodal "
+            "TinyLlama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, Phi-3) and the language "
+            "model of a multimodal "
             f"{', '.join(MULTIMODAL)}."
         )
     return FAMILIES[kind]
