@@ -140,4 +140,6 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         m.attention = fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
+    if getattr(m, "expert_kernel", None) == "auto":
+        m.expert_kernel = "megablox" if platform == "tpu" else "ragged_dot"
     return cfg

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from podtrain.models.layers import ACT, SwiGLU, param, swiglu
 from podtrain.sharding import constrain, gather, per_shard, scatter_sum, shard_index, sum_over
@@ -73,15 +74,33 @@ def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Ar
     return weights * r.scale, chosen.astype(jnp.int32), scores
 
 
-def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
+def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool = False) -> jax.Array:
+    """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N);
+    rows past the groups give zeros. megablox (TPU; `interpret` runs it on a CPU) visits only
+    the groups' rows, where XLA's ragged_dot may compute every row for every group."""
+    if kernel == "ragged_dot":
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+    grouped = jnp.arange(len(lhs))[:, None] < sizes.sum()  # rows the kernel never writes, forward or backward
+    tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
+    out = megablox.gmm(jnp.where(grouped, lhs, 0), rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
+    return jnp.where(grouped, out, 0)
+
+
+# megablox's (rows, contraction, output) tile, as MaxText's defaults: each tile of rows is read
+# once per output tile and each expert's weights once per tile of rows, so larger tiles move fewer
+# bytes (128-wide ones made Mixtral's step memory-bound: 25.8 TB per chip).
+GMM_TILES = (512, 1024, 1024)
+
+
+def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_in: jax.Array, w_down: jax.Array, kernel: str = "ragged_dot"):
     """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum give
-    zeros), through w_in (E, D, 2, F) and w_down (E, F, D)."""
+    zeros), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`."""
     e, d, _, f = w_in.shape
-    gate_up = checkpoint_name(jax.lax.ragged_dot(xs, w_in.reshape(e, d, 2 * f), sizes), KEPT[1]).reshape(-1, 2, f)
-    return jax.lax.ragged_dot(swiglu(gate_up), w_down, sizes)
+    gate_up = checkpoint_name(grouped_matmul(xs, w_in.reshape(e, d, 2 * f), sizes, kernel), KEPT[1])
+    return grouped_matmul(swiglu(gate_up.reshape(-1, 2, f)), w_down, sizes, kernel)
 
 
-def dropless(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array, first: int | jax.Array = 0):
+def dropless(x, chosen, w_in, w_down, first: int | jax.Array = 0, kernel: str = "ragged_dot") -> jax.Array:
     """Each token's copy through each of its chosen experts: (N, k, D) outputs of tokens x (N, D)
     and their chosen (N, k) experts, for experts first..first+E-1 of w_in (E, D, 2, F); a copy
     routed to another expert gives zeros. The copies are sorted by expert, grouped matmuls run over
@@ -91,7 +110,7 @@ def dropless(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array
     local = jnp.where((local >= 0) & (local < w_in.shape[0]), local, w_in.shape[0])  # others last
     order = jnp.argsort(local, stable=True)
     sizes = jnp.bincount(local, length=w_in.shape[0] + 1)[:-1]
-    out = grouped_mlp(x[order // k], sizes, w_in, w_down)
+    out = grouped_mlp(x[order // k], sizes, w_in, w_down, kernel)
     return out[jnp.argsort(order)].reshape(n, k, -1)
 
 
@@ -118,7 +137,7 @@ def by_capacity(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Ar
     return jnp.concatenate([out, jnp.zeros_like(out[:1])])[slot], kept
 
 
-def expert_parallel(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array) -> jax.Array:
+def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot") -> jax.Array:
     """`dropless` of tokens x (B, T, D) and their chosen (B, T, k) experts -> (B, T, k, D), run on
     each device's own tokens, so that no sort spans devices. With the experts split over
     `mesh.expert`, each shard gathers the tokens of its group of expert shards, runs those routed
@@ -132,7 +151,8 @@ def expert_parallel(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: ja
         w_in, w_down = gather(w_in, "embed", 1), gather(w_down, "embed", 2)
         x, chosen = checkpoint_name(gather(x, "exp", 0), KEPT[0]), gather(chosen, "exp", 0)
         b, t, k = chosen.shape
-        out = dropless(x.reshape(b * t, -1), chosen.reshape(b * t, k), w_in, w_down, shard_index("exp") * len(w_in))
+        first = shard_index("exp") * len(w_in)
+        out = dropless(x.reshape(b * t, -1), chosen.reshape(b * t, k), w_in, w_down, first, kernel)
         return scatter_sum(sum_over(out.reshape(b, t, k, -1), "mlp"), "exp", 0)
 
     names = (ACT, ACT[:2] + (None,), ("exp", "embed", None, "mlp"), ("exp", "mlp", "embed"))
@@ -156,24 +176,21 @@ class RoutedExperts(nnx.Module):
         rngs: nnx.Rngs,
         capacity_factor: float = 0.0,
         shared: int = 0,
-        bias: bool = False,
+        kernel: str = "ragged_dot",
     ):
         e = routing.experts
         self.router = param(rngs, (d_model, e), ("embed", None), std)
         self.w_gate = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
         self.w_up = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
         self.w_down = param(rngs, (e, d_ff, d_model), EXPERT_OUT, out_std)
-        if bias:  # moved by the balancing update, not by gradients
-            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
         if shared:
             self.shared = SwiGLU(d_model, shared * d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
-        self.routing, self.dtype, self.capacity_factor = routing, dtype, capacity_factor
+        self.routing, self.dtype, self.capacity_factor, self.kernel = routing, dtype, capacity_factor, kernel
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         b, t, d = x.shape
         logits = x.astype(jnp.float32) @ self.router[...]
-        bias = jax.lax.stop_gradient(self.router_bias[...]) if hasattr(self, "router_bias") else None
-        weights, chosen, scores = route(logits, bias, self.routing)
+        weights, chosen, scores = route(logits, None, self.routing)
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=2).astype(self.dtype)  # (E, D, 2, F)
         w_down = self.w_down[...].astype(self.dtype)
         if self.capacity_factor:
@@ -182,7 +199,7 @@ class RoutedExperts(nnx.Module):
             copies, kept = by_capacity(x.reshape(b * t, d), chosen.reshape(b * t, k), w_in, w_down, capacity)
             copies, kept = copies.reshape(b, t, k, d), kept.reshape(b, t, k)
         else:
-            copies, kept = expert_parallel(x, chosen, w_in, w_down), jnp.ones(chosen.shape, bool)
+            copies, kept = expert_parallel(x, chosen, w_in, w_down, self.kernel), jnp.ones(chosen.shape, bool)
         out = jnp.einsum("btkd,btk->btd", copies.astype(jnp.float32), weights).astype(x.dtype)
         if hasattr(self, "shared"):
             out = out + self.shared(x)

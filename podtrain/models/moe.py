@@ -49,6 +49,11 @@ class MoeConfig(llama.LlamaConfig):
         "0: none dropped",
         ">= 0",
     )
+    expert_kernel: Literal["auto", "ragged_dot", "megablox"] = key(
+        "auto",
+        "the experts' grouped matmuls: ragged_dot (XLA's jax.lax.ragged_dot), megablox (the Pallas TPU kernel, "
+        "which visits only the rows a device's experts were given); auto: megablox on TPU, else ragged_dot",
+    )
     hf_type: Literal["mixtral", "qwen3_moe"] = key(
         "mixtral", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
     )
@@ -110,6 +115,7 @@ class MoeBlock(llama.Block):
             rngs=rngs,
             capacity_factor=cfg.capacity_factor,
             shared=cfg.shared_experts,
+            kernel=cfg.expert_kernel,
         )
 
     def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> tuple[jax.Array, dict]:
