@@ -31,3 +31,17 @@ use_compile_cache("auto")  # what `train` does: the in-process tests share it to
 @pytest.fixture
 def small_overrides():
     return list(SMALL)
+
+
+# The slowest files first (seconds of work each on 2 cores): xdist hands whole files (--dist
+# loadfile) to its workers in collection order, so a slow file collected last keeps one worker
+# busy while the other waits.
+SLOWEST_FIRST = ("test_plan.py", "test_reasoning.py", "test_multihost.py", "test_context.py", "test_mhc.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)

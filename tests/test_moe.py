@@ -248,8 +248,8 @@ def test_experts_compile_for_tpu_with_the_megablox_kernel():
 
     cfg = load_config(
         None,
-        [*SMALL, *MOE, "model.experts=8", "model.d_model=256", "model.expert_d_ff=512", "train.seq_len=512"]
-        + ["model.max_seq_len=512", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "device_type=tpu"],
+        [*SMALL, *MOE, "model.experts=8", "model.d_model=128", "model.expert_d_ff=128", "train.seq_len=256"]
+        + ["model.max_seq_len=256", "mesh.data=1", "mesh.expert=2", "mesh.fsdp=2", "device_type=tpu"],
     )
     target = hardware.target("v5p-8")
     cfg = plan.for_target(cfg, target)

@@ -78,7 +78,7 @@ def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool 
     """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N);
     rows past the groups give zeros. megablox (TPU; `interpret` runs it on a CPU) visits only
     the groups' rows, where XLA's ragged_dot may compute every row for every group."""
-    if kernel == "ragged_dot":
+    if kernel != "megablox":  # ragged_dot, or auto where no platform resolved it
         return jax.lax.ragged_dot(lhs, rhs, sizes)
     grouped = jnp.arange(len(lhs))[:, None] < sizes.sum()  # rows the kernel never writes, forward or backward
     tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
