@@ -259,3 +259,22 @@ def test_experts_compile_for_tpu_with_the_megablox_kernel():
     assert kernels == {"gmm", "tgmm"}
     assert p.fits and p.axes_bytes.get("expert", 0) > 0
     assert p.matmul_flops * len(target.devices) < 2 * p.flops_per_step
+
+
+def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
+    """DeepSeek-V3's auxiliary-loss-free balancing alone (no balancing loss, a learning rate too
+    small to move the router): a selection bias that sends nearly every token to expert 0 is moved
+    down for it and up for the others after each step, and the busiest expert's load falls from
+    2x the mean (every token) toward it; the loads the update reads are not logged."""
+    overrides = [*small_overrides, *MOE, "model.router=sigmoid", "model.router_aux_loss_coef=0"]
+    state, step, batches = trainer([*overrides, "model.router_bias_update_rate=0.01", "train.lr=1e-9"], 1)
+    bias = state["params"]["layers"]["mlp"]["router_bias"]
+    skewed = jnp.broadcast_to(jnp.asarray([0.05, 0.0, 0.0, 0.0]), bias.shape)
+    state["params"]["layers"]["mlp"]["router_bias"] = jax.device_put(skewed, bias.sharding)
+    loads = []
+    for i in range(10):
+        state, metrics = step(state, batches[i])
+        loads.append(float(metrics["expert_load"]))
+    assert loads[0] > 1.9 and np.mean(loads[-4:]) < 1.6, loads
+    assert "expert_loads" not in metrics
+    assert (np.asarray(state["params"]["layers"]["mlp"]["router_bias"])[:, 0] < 0.05).all()

@@ -177,12 +177,15 @@ class RoutedExperts(nnx.Module):
         capacity_factor: float = 0.0,
         shared: int = 0,
         kernel: str = "ragged_dot",
+        bias: bool = False,
     ):
         e = routing.experts
         self.router = param(rngs, (d_model, e), ("embed", None), std)
         self.w_gate = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
         self.w_up = param(rngs, (e, d_model, d_ff), EXPERT_IN, std)
         self.w_down = param(rngs, (e, d_ff, d_model), EXPERT_OUT, out_std)
+        if bias:  # moved after each step toward balance (moe.update_router_bias), never by gradients
+            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,), eager_sharding=False)
         if shared:
             self.shared = SwiGLU(d_model, shared * d_ff, std=std, out_std=out_std, dtype=dtype, rngs=rngs)
         self.routing, self.dtype, self.capacity_factor, self.kernel = routing, dtype, capacity_factor, kernel
@@ -190,7 +193,8 @@ class RoutedExperts(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         b, t, d = x.shape
         logits = x.astype(jnp.float32) @ self.router[...]
-        weights, chosen, scores = route(logits, None, self.routing)
+        bias = jax.lax.stop_gradient(self.router_bias[...]) if hasattr(self, "router_bias") else None
+        weights, chosen, scores = route(logits, bias, self.routing)
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=2).astype(self.dtype)  # (E, D, 2, F)
         w_down = self.w_down[...].astype(self.dtype)
         if self.capacity_factor:

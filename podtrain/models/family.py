@@ -18,6 +18,9 @@ class Family:
     flops_per_token: Callable[[Any, int, int], float]  # (config, n_params, positions) -> training FLOPs
     task: type  # what it trains on: a podtrain.train.tasks.Task subclass, which names its train keys
     debug: dict[str, int]  # the tiny debug flavor: model keys that make any recipe small (--use-small-model)
+    # (model config, params, the step's metrics) -> (params, metrics): what the family updates after
+    # each optimizer step other than by gradients (an MoE's router bias), taking the metrics it reads
+    after_step: Callable[[Any, Any, dict], tuple[Any, dict]] | None = None
 
     @property
     def train_config(self) -> type[TrainConfig]:

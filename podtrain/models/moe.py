@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.config.schema import ModelConfig, key, same_key
@@ -42,6 +43,13 @@ class MoeConfig(llama.LlamaConfig):
     )
     router_z_loss_coef: float = key(
         0.0, "weight of the router z-loss, the mean squared logsumexp of its logits", ">= 0"
+    )
+    router_bias_update_rate: float = key(
+        0.0,
+        "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, "
+        "moved after each step by this toward balance (+rate for experts given fewer copies than the mean, -rate "
+        "for more); 0: no bias",
+        ">= 0",
     )
     capacity_factor: float = key(
         0.0,
@@ -116,6 +124,7 @@ class MoeBlock(llama.Block):
             capacity_factor=cfg.capacity_factor,
             shared=cfg.shared_experts,
             kernel=cfg.expert_kernel,
+            bias=cfg.router_bias_update_rate > 0,
         )
 
     def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> tuple[jax.Array, dict]:
@@ -163,7 +172,24 @@ class Moe(llama.Llama):
             "expert_load": load.max(),
             **{f"expert_load/{cfg.first_dense_layers + i}": load[i] for i in range(len(load))},
         }
-        return aux | ({"dropped": r["dropped"].mean()} if cfg.capacity_factor else {})
+        aux |= {"dropped": r["dropped"].mean()} if cfg.capacity_factor else {}
+        return aux | ({EXPERT_LOADS: r["load"]} if cfg.router_bias_update_rate else {})
+
+
+EXPERT_LOADS = "expert_loads"  # each MoE layer's share of copies per expert (layers, E), for the bias update
+
+
+def update_router_bias(cfg: MoeConfig, params, metrics: dict):
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: each expert's
+    selection bias moves by router_bias_update_rate toward balance, up where the step gave it
+    fewer token copies than the mean, down where more (the loads of all microbatches pooled)."""
+    if not cfg.router_bias_update_rate:
+        return params, metrics
+    metrics = dict(metrics)
+    load = metrics.pop(EXPERT_LOADS)
+    mlp = params["layers"]["mlp"]
+    bias = mlp["router_bias"] + cfg.router_bias_update_rate * jnp.sign(load.mean(-1, keepdims=True) - load)
+    return {**params, "layers": {**params["layers"], "mlp": {**mlp, "router_bias": bias}}}, metrics
 
 
 def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int) -> float:
@@ -174,4 +200,4 @@ def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int) -> float:
 
 DEBUG = {**llama.DEBUG, "expert_d_ff": 96}
 
-FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, LanguageTask, DEBUG)
+FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, LanguageTask, DEBUG, update_router_bias)

@@ -7,6 +7,7 @@ run's first step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,7 +81,9 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     task = record.task(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
-    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed)
+    after = family(cfg.model).after_step
+    after_step = None if after is None else functools.partial(after, cfg.model)
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step)
     eval_step = sharded_jit(
         lambda params, batch: task.eval_fn(fns.module(params), batch),
         mesh,

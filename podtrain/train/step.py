@@ -13,7 +13,9 @@ from podtrain.train import optim
 from podtrain.train.state import TrainSetup
 
 
-def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0):
+def make_train_step(
+    setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0, after_step=None
+):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
     loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss (see
@@ -23,7 +25,9 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
     state unchanged but for the step, and says so in its `skipped` metric. Microbatch gradients are
     summed in a scan inside the step, so accumulation costs no extra dispatch and the accumulator
     lives sharded like the params. A metric is a scalar, averaged over the microbatches, or a (sum,
-    count) pair, pooled over them.
+    count) pair, pooled over them. `after_step(params, metrics) -> (params, metrics)` (a family's,
+    e.g. an MoE's router bias update) runs on the updated params; the metrics it reads, which may
+    be arrays, it takes out.
     """
     tx, lr, fns = setup.tx, optim.schedule(cfg_train), setup.fns
     param_shardings = shardings_of(setup.abstract_state["params"])
@@ -50,6 +54,8 @@ def make_train_step(setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_
         if "ema" in state:
             updated["ema"] = optax.incremental_update(updated["params"], state["ema"], step_size=1 - cfg_train.ema)
         metrics, grad_norm = {k: _pool(v) for k, v in metrics.items()}, optax.tree.norm(grads)
+        if after_step is not None:
+            updated["params"], metrics = after_step(updated["params"], metrics)
         # A non-finite loss or gradient skips the update: the state stays as it was, only the step
         # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -76,7 +82,7 @@ def _pool(metric) -> jax.Array:
     if isinstance(metric, tuple):
         total, count = metric[0].sum(), metric[1].sum()
         return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
-    return metric.mean()
+    return metric.mean(0)
 
 
 def mean_over_batches(eval_step, params, batches) -> dict:

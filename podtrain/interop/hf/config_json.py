@@ -33,6 +33,7 @@ ROUTING_DEFAULTS = {
     "routed_scale": 1.0,
     "shared_experts": 0,
     "first_dense_layers": 0,
+    "router_bias_update_rate": 0.0,
 }
 
 
