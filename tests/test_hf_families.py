@@ -164,6 +164,17 @@ def test_an_export_to_a_family_that_lacks_an_option_is_refused(tmp_path, capsys)
     assert "model_type mistral (model.hf_type) has no place for model.qk_norm=true; set model.hf_type=qwen3" in err
 
 
+def test_a_parameter_the_hub_model_cannot_hold_is_a_clear_error(tmp_path, capsys):
+    """A router bias (DeepSeek-V3's balancing) has no tensor in a Mixtral checkpoint: importing one
+    with it asked for names it, and writes no run."""
+    hf_model(tmp_path / "hf", *FAMILIES["mixtral"])
+    capsys.readouterr()
+    args = [str(tmp_path / "hf"), str(tmp_path / "run"), "model.router_bias_update_rate=0.001"]
+    assert main(["convert", "--from-hf", *args]) == 2
+    assert "has no place for this model config's layers/mlp/router_bias" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 def test_config_fields_left_out_take_transformers_defaults():
     """A config.json without layer_types slides by the family's pattern (Gemma 2: every other layer,
     Gemma 3: five in six), and fields left out take transformers' defaults, not podtrain's."""

@@ -269,8 +269,15 @@ def auto_vocab_size(cfg: Config) -> int:
 
 def check_structure(data: dict, where: str) -> None:
     """Sections are mappings of single values: say so, naming the key, before OmegaConf's errors would."""
+    sections = sorted(f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(getattr(Config(), f.name)))
     for name, value in data.items():
         section = dataclasses.is_dataclass(getattr(Config(), str(name), None))
+        if isinstance(value, dict) and not hasattr(Config(), str(name)):
+            inner = next(iter(value), "KEY")
+            raise ConfigError(
+                f"Unknown config section `{name}` (as in `{name}.{inner}`) in {where}; the sections are "
+                f"{', '.join(sections)}. docs/configuration.md lists their keys."
+            )
         if section and not isinstance(value, dict):
             raise ConfigError(
                 f"`{name}` in {where} must be a mapping of keys (like `{name}: {{key: value}}`), not `{value!r}`."

@@ -166,6 +166,11 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         paths = [leaf_name(p) for p, _ in leaves]
+        if unnamed := [p for p in paths if p not in table]:
+            raise CheckpointError(
+                f"{where} has no place for this model config's {', '.join(unnamed)} (a Hugging Face model of its type "
+                "has none); leave out the model keys that make them (as model.router_bias_update_rate does)."
+            )
         shapes = {path: leaf.shape for path, (_, leaf) in zip(paths, leaves)}
         rows = _rows(table, {path: _one(table, path, shape) for path, shape in shapes.items()})
         wanted = {name for p in paths for name in _names(table, p, shapes[p])}
