@@ -5,10 +5,12 @@
 
 Both sides train the same model (dims, batch, sequence, dtype, AdamW with global-norm clipping)
 on the same token windows. PyTorch runs eager on CPU and `torch.compile` with SDPA flash attention
-on GPU. The two alternate, `--repeats` times `--steps` timed steps each after a warmup, so that
-the load of a shared machine falls on both; the script prints tokens/s of each, MFU where the
-device's peak is known, and the ratio podtrain / reference as min, median and max over repeats.
-`key=value` overrides reach podtrain's config only (e.g. model.scan_unroll=4), for A/B runs.
+on GPU. Each side runs in a process of its own, one after the other (an allocator keeps the memory
+it grew to, so two sides in one process do not fit one 80 GB GPU at the 1b preset): `--repeats`
+times `--steps` timed steps after a warmup. The script prints tokens/s of each, MFU where the
+device's peak is known, and the ratio podtrain / reference of each repeat (repeat i of one side
+against repeat i of the other) as min, median and max. `key=value` overrides reach podtrain's
+config only (e.g. model.scan_unroll=4), for A/B runs.
 
 `--scaling` runs podtrain alone on eight fake CPU devices: the step time per token on meshes
 (8,1,1), (1,8,1) and (1,1,8) against one device (eight devices on the same cores: the cost of
@@ -19,11 +21,15 @@ unrolled, and the host's time per step while the device is idle (dispatching a s
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 # Both frameworks share one GPU: JAX takes its memory as it needs it, not 75% up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -69,7 +75,9 @@ TINY = [
 ]
 
 
-def podtrain_config(preset: str, tiny: bool, overrides: list[str]):
+def podtrain_config(preset: str, tiny: bool, overrides: list[str], resolve: bool = True):
+    """The preset's config, its `auto` values resolved on this machine's devices (which starts
+    them) unless `resolve` is False."""
     recipe = PRESETS[preset][0] if preset == "1b" else None
     keys = (
         [k for k in PRESETS[preset] if "=" in k]
@@ -77,7 +85,7 @@ def podtrain_config(preset: str, tiny: bool, overrides: list[str]):
         + ["train.sample_tokens=0", "compile_cache=off", *overrides]
     )
     cfg = load_config(recipe, keys)
-    return resolve_auto(cfg, select_devices(cfg.device_type)[0].platform)
+    return resolve_auto(cfg, select_devices(cfg.device_type)[0].platform) if resolve else cfg
 
 
 class PodtrainSide:
@@ -202,26 +210,54 @@ def timed(side, n: int) -> float:
     return (time.perf_counter() - clock) / n
 
 
+def run_side(side: str, cfg, repeats: int, steps: int, warmup: int, folder: Path) -> dict:
+    """One side's warmup loss, seconds per step of each repeat and description, in this process:
+    podtrain writes the token windows both train on into `folder`, the reference reads them."""
+    if side == "podtrain":
+        ours = PodtrainSide(cfg)
+        np.save(folder / "windows.npy", ours.windows())
+        peak = peak_flops(ours.devices[0])
+        described = {
+            "devices": f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}",
+            "dtype": cfg.model.compute_dtype,
+            "params": ours.job.setup.fns.n_params,
+            "flops": ours.job.flops_per_step,
+            "peak": peak * len(ours.devices) if peak else None,
+        }
+    else:
+        ours = TorchSide(cfg, np.load(folder / "windows.npy"), warmup + repeats * steps)
+        described = {
+            "devices": f"PyTorch {torch.__version__} {'torch.compile' if ours.gpu else 'eager'}, "
+            f"{torch.get_num_threads()} threads"
+        }
+    loss = ours.steps(warmup)
+    return {"pid": os.getpid(), "loss": loss, "seconds": [timed(ours, steps) for _ in range(repeats)], **described}
+
+
 def throughput(cfg, repeats: int, steps: int, warmup: int) -> None:
-    ours = PodtrainSide(cfg)
-    ref = TorchSide(cfg, ours.windows(), warmup + repeats * steps)
+    """Each side in a process of its own (this script again, with --side), then their ratio; this
+    process starts no device."""
+    sides = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for side in ("podtrain", "reference"):
+            command = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--folder", folder]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"the {side} side failed:\n{done.stderr[-3000:]}")
+            sides[side] = json.loads(done.stdout.splitlines()[-1])
+    ours, ref = sides["podtrain"], sides["reference"]
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    flops = ours.job.flops_per_step
-    peak = peak_flops(ours.devices[0])
-    peak = peak * len(ours.devices) if peak else None
     print(
-        f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}; "
-        f"{ours.job.setup.fns.n_params / 1e6:.2f}M params, batch {cfg.train.batch_size} x {cfg.train.seq_len}, "
-        f"{cfg.model.compute_dtype}; reference: PyTorch {torch.__version__} {'torch.compile' if ref.gpu else 'eager'}, "
-        f"{torch.get_num_threads()} threads"
+        f"{ours['devices']}; {ours['params'] / 1e6:.2f}M params, batch {cfg.train.batch_size} x "
+        f"{cfg.train.seq_len}, {ours['dtype']}; podtrain in process {ours['pid']}, reference "
+        f"({ref['devices']}) in process {ref['pid']} (this script: {os.getpid()})"
     )
-    first = ours.steps(warmup), ref.steps(warmup)
-    print(f"loss after {warmup} warmup steps: podtrain {first[0]:.4f}, reference {first[1]:.4f}")
+    print(f"loss after {warmup} warmup steps: podtrain {ours['loss']:.4f}, reference {ref['loss']:.4f}")
     ratios = []
-    for r in range(repeats):
-        a, b = timed(ours, steps), timed(ref, steps)
+    for r, (a, b) in enumerate(zip(ours["seconds"], ref["seconds"])):
         ratios.append(b / a)
-        mfu = f"  mfu {flops / a / peak:.1%} / {flops / b / peak:.1%}" if peak else ""
+        peak = ours["peak"]
+        mfu = f"  mfu {ours['flops'] / a / peak:.1%} / {ours['flops'] / b / peak:.1%}" if peak else ""
         print(
             f"repeat {r + 1}: podtrain {tokens / a:,.0f} tokens/s, "
             f"reference {tokens / b:,.0f} tokens/s{mfu}  ratio {b / a:.3f}"
@@ -287,13 +323,19 @@ def main() -> None:
         action="store_true",
         help="podtrain alone: meshes of 8 fake devices, compile time against depth, host time per step",
     )
+    parser.add_argument("--side", choices=("podtrain", "reference"), help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.tiny:
         args.repeats, args.steps, args.warmup = 1, 1, 1
     if args.scaling:
         return scaling(args.preset, args.overrides, args.steps)
-    throughput(podtrain_config(args.preset, args.tiny, args.overrides), args.repeats, args.steps, args.warmup)
+    cfg = podtrain_config(args.preset, args.tiny, args.overrides, resolve=bool(args.side))
+    if args.side:
+        print(json.dumps(run_side(args.side, cfg, args.repeats, args.steps, args.warmup, args.folder)))
+    else:
+        throughput(cfg, args.repeats, args.steps, args.warmup)
 
 
 if __name__ == "__main__":

@@ -141,10 +141,11 @@ def test_unrolled_layers_equal_the_scan(model, small_overrides):
 
 
 def test_throughput_bench_runs_tiny():
-    """End to end on CPU in its tiny mode: both sides train one warmup step from a loss near
-    log(vocabulary), then one timed repeat whose rates are positive and whose printed ratio is
-    reference time / podtrain time, that is podtrain's tokens/s over the reference's (to the
-    rounding of the printed numbers); min, median and max of one repeat are that ratio."""
+    """End to end on CPU in its tiny mode: each side in a process of its own (two processes, neither
+    the script's), both training one warmup step from a loss near log(vocabulary), then one timed
+    repeat whose rates are positive and whose printed ratio is reference time / podtrain time, that
+    is podtrain's tokens/s over the reference's (to the rounding of the printed numbers); min,
+    median and max of one repeat are that ratio, printed once."""
     env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user has, not the tests' eight
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"],
@@ -160,7 +161,11 @@ def test_throughput_bench_runs_tiny():
     losses = re.search(rf"loss after 1 warmup steps: podtrain {number}, reference {number}", out)
     repeats = re.findall(rf"repeat \d+: podtrain {number} tokens/s, reference {number} tokens/s.*ratio {number}", out)
     summary = re.search(rf"ratio podtrain/reference: min {number}  median {number}  max {number}", out)
-    assert losses and len(repeats) == 1 and summary, out
+    assert losses and len(repeats) == 1 and summary and out.count("ratio podtrain/reference") == 1, out
+    processes = re.search(
+        r"podtrain in process (\d+), reference \(PyTorch .*\) in process (\d+) \(this script: (\d+)\)", out
+    )
+    assert processes and len(set(processes.groups())) == 3, out
     vocab = load_config(None, []).model.vocab_size  # the bench's tiny model keeps the default vocabulary
     for loss in map(float, losses.groups()):
         assert abs(loss - np.log(vocab)) < 0.1, (loss, out)  # small initial weights: about uniform
