@@ -4,7 +4,7 @@ the token goes through its k best, and their outputs are summed with the router'
 Routing is computed in float32 (`route`): softmax over all experts then top-k (Mixtral,
 Qwen3-MoE), or sigmoid scores chosen with a selection-only bias, within the best groups of
 experts (DeepSeek-V3). Dispatch is either dropless (`dropless`: the token copies sorted by
-expert and run through grouped matmuls, `jax.lax.ragged_dot`) or capacity-bound (`by_capacity`:
+expert and run through grouped matmuls, `grouped_matmul`) or capacity-bound (`by_capacity`:
 each expert takes at most C token copies into a fixed buffer; the rest are dropped and counted).
 Under `mesh.expert` the experts' weights are split over it and the tokens exchanged
 (`expert_parallel`). Nothing here sees a mesh beyond the sharding helpers.
@@ -127,9 +127,9 @@ def by_capacity(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Ar
     """(outputs (N, k, D), kept (N, k) bool): like `dropless`, but each expert takes at most
     `capacity` copies into an (E, capacity, D) buffer, in `queue_places` order; the copies past it
     are dropped (zeros)."""
-    e = w_in.shape[0]
-    kept = queue_places(chosen, e) < capacity
-    slot = jnp.where(kept, chosen * capacity + queue_places(chosen, e), e * capacity)  # dropped: a spare slot
+    e, places = w_in.shape[0], queue_places(chosen, w_in.shape[0])
+    kept = places < capacity
+    slot = jnp.where(kept, chosen * capacity + places, e * capacity)  # dropped: a spare slot
     buffer = jnp.zeros((e * capacity + 1, x.shape[-1]), x.dtype).at[slot].set(x[:, None, :])
     buffer = buffer[:-1].reshape(e, capacity, -1)
     hidden = swiglu(jnp.einsum("ecd,edkf->eckf", buffer, w_in))
@@ -213,7 +213,7 @@ class RoutedExperts(nnx.Module):
 def balancing_loss(load: jax.Array, score: jax.Array) -> jax.Array:
     """The load-balancing loss of layers' `router_statistics` (layers, E), as transformers'
     load_balancing_loss_func computes it: E x the sum over experts of the share of token copies it
-    got times its mean score, each pooled over all the layers' tokens (1 x k when balanced)."""
+    got times its mean score, each pooled over all the layers' tokens (k when balanced)."""
     return load.shape[-1] * jnp.sum(load.mean(0) * score.mean(0))
 
 
