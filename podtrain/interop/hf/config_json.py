@@ -291,20 +291,17 @@ def hf_config(model, eos_id: int | None, dtype: str) -> dict:
     if "rotary_fraction" in family.free:
         config["partial_rotary_factor"] = model.rotary_fraction
     if family.experts:
-        config |= {
-            "num_local_experts" if "moe_intermediate_size" not in family.fields else "num_experts": model.experts,
-            "num_experts_per_tok": model.experts_per_token,
-            "router_aux_loss_coef": model.router_aux_loss_coef,
-        }
+        config |= {"num_experts_per_tok": model.experts_per_token, "router_aux_loss_coef": model.router_aux_loss_coef}
         if "moe_intermediate_size" in family.fields:  # Qwen3-MoE: intermediate_size is a dense layer's
             config |= {
+                "num_experts": model.experts,
                 "moe_intermediate_size": model.expert_width,
                 "norm_topk_prob": model.router_renormalize,
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
             }
-        else:
-            config["intermediate_size"] = model.expert_width
+        else:  # Mixtral: intermediate_size is each expert's
+            config |= {"num_local_experts": model.experts, "intermediate_size": model.expert_width}
     windows = model.layer_windows() or [0] * model.n_layers
     types = ["sliding_attention" if w else "full_attention" for w in windows]
     if family.windows == "all":
