@@ -9,6 +9,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[dev,tpu]'
+	# XLA's GPU compiler for GPU plans, kept out of JAX's plugins so no other command loads it
+	$(VENV)/bin/python -m pip install --quiet --no-deps --target $(VENV)/cuda-compiler \
+		"jax-cuda12-pjrt==$$($(VENV)/bin/python -c 'import jax; print(jax.__version__)')"
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from podtrain.config.checks import resolve_auto
 from podtrain.config.load import load_config
-from podtrain.runtime.chips import peak_flops
+from podtrain.planning import fit
+from podtrain.runtime.chips import device_memory, peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train import optim
@@ -214,12 +215,14 @@ def run_side(side: str, cfg, repeats: int, steps: int, warmup: int, folder: Path
     """One side's warmup loss, seconds per step of each repeat and description, in this process:
     podtrain writes the token windows both train on into `folder`, the reference reads them."""
     if side == "podtrain":
-        ours = PodtrainSide(cfg)
+        devices = select_devices(cfg.device_type)
+        cfg = fit.choose_unroll(cfg, build_mesh(cfg.mesh, devices), device_memory(devices[0]))  # as `train` does
+        ours = PodtrainSide(cfg, devices)
         np.save(folder / "windows.npy", ours.windows())
         peak = peak_flops(ours.devices[0])
         described = {
             "devices": f"{ours.devices[0].platform}: {len(ours.devices)} x {ours.devices[0].device_kind}",
-            "dtype": cfg.model.compute_dtype,
+            "dtype": f"{cfg.model.compute_dtype}, scan_unroll {cfg.model.scan_unroll}",
             "params": ours.job.setup.fns.n_params,
             "flops": ours.job.flops_per_step,
             "peak": peak * len(ours.devices) if peak else None,

@@ -103,15 +103,14 @@ def _plan(args) -> int:
 
     from podtrain.planning import targets as hardware
 
-    # A plan compiles on this machine's CPU, or for a TPU through libtpu: it starts no accelerator,
-    # and fake host devices stand in for a GPU box's.
+    # A plan compiles for a TPU or GPU that is not here (or this machine's CPU): it starts no accelerator.
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", hardware.device_count(args.target.strip().lower()) or 1)
+    jax.config.update("jax_num_cpu_devices", hardware.cpu_count(args.target.strip().lower()) or 1)
     from podtrain.planning import plan
     from podtrain.runtime import use_compile_cache
 
     cfg, target = _config(args), hardware.target(args.target)
-    if target.platform != "tpu":  # a TPU program compiled with no TPU client cannot be read back from the cache
+    if target.platform == "cpu":  # a TPU or GPU program compiled with no client cannot be read back from the cache
         use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
     if args.sweep:
         print(target.label)
@@ -281,7 +280,7 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help=(
             "v4-32, v5e-8, v5p-8, v6e-8 ... (compiled for the TPU via libtpu), h100, h100x8, a100x8, h200 "
-            "(estimates), cpu:N"
+            "(compiled for the GPU via JAX's CUDA plugin), cpu:N"
         ),
     )
     pn.add_argument(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from podtrain.config.load import load_config
 from podtrain.models import MODELS
+from podtrain.planning import gpus
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 from podtrain.train.tasks.language import LanguageTask
@@ -63,6 +64,10 @@ RECURSION = {
 # Ahead-of-time TPU compiles need the tpu extra (libtpu), which `make test` installs.
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed"
+)
+# GPU plans compile with XLA's GPU compiler, from JAX's CUDA plugin, which `make test` installs.
+needs_cuda_compiler = pytest.mark.skipif(
+    not gpus.installed(), reason="JAX's CUDA plugin is not installed (`make` puts it in .venv/cuda-compiler)"
 )
 # What libtpu prints when JAX wakes it on a machine without a TPU, and JAX's persistent-cache
 # warning: no command may show them.

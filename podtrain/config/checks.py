@@ -121,7 +121,7 @@ def _installed(module: str) -> bool:
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:
-    """Replace the `auto` precision and attention settings by what suits the platform."""
+    """Replace the `auto` settings by what suits the platform (bar a GPU's scan_unroll)."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
     m = cfg.model
     if m.compute_dtype == "auto":
@@ -142,4 +142,6 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     if getattr(m, "expert_kernel", None) == "auto":
         m.expert_kernel = "megablox" if platform == "tpu" else "ragged_dot"
+    if m.scan_unroll == "auto" and platform != "gpu":  # on a GPU the compiled step decides: fit.choose_unroll
+        m.scan_unroll = 1
     return cfg

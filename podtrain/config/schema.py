@@ -22,13 +22,14 @@ from podtrain.errors import ConfigError
 @dataclass(frozen=True)
 class Range:
     """The valid values of a numeric key: finite numbers in an interval, written as in the docs:
-    `> 0`, `>= 1`, `[0, 1)`, `finite`, or `-1 or >= 1` (-1 meaning "the rest")."""
+    `> 0`, `>= 1`, `[0, 1)`, `finite`, `-1 or >= 1` (-1 meaning "the rest"), or `auto or >= 1`."""
 
     text: str
 
     def _parts(self) -> tuple[bool, float, float, bool, bool]:
         """(minus_one_allowed, low, high, low_open, high_open)."""
-        text, minus_one = self.text, self.text.startswith("-1 or ")
+        text = self.text.removeprefix("auto or ")
+        minus_one = text.startswith("-1 or ")
         text = text.removeprefix("-1 or ")
         if text == "finite":
             return minus_one, -math.inf, math.inf, True, True
@@ -38,6 +39,8 @@ class Range:
         return minus_one, float(m[2]), float(m[3]), m[1] == "(", m[4] == ")"
 
     def __contains__(self, value) -> bool:
+        if value == "auto":
+            return self.text.startswith("auto or ")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
         minus_one, low, high, low_open, high_open = self._parts()
@@ -88,14 +91,17 @@ class ModelConfig:
         "what the backward recomputes: nothing, each layer in full (bar what the model marks as kept: mHC's "
         "branch inputs and outputs, its mixing projection), or all but the matmul outputs",
     )
-    scan_unroll: int = key(1, "layers per scan iteration; the layer count unrolls fully", ">= 1")
+    scan_unroll: int | str = key(
+        "auto",
+        "layers per scan iteration; the layer count unrolls fully (auto: fully on a GPU where that step, compiled, "
+        "takes at most 90% of a device's memory, else 1)",
+        "auto or >= 1",
+    )
     compute_dtype: Literal["auto", "float32", "bfloat16"] = key(
         "auto", "matmul and activation dtype (auto: bfloat16 on GPU/TPU, float32 on CPU); params stay float32"
     )
-    attention: Literal["auto", "xla", "cudnn", "splash", "cudnn_estimate"] = key(
-        "auto",
-        "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise); cudnn_estimate: "
-        "cuDNN's memory and traffic in a GPU plan compiled on a CPU (plans only)",
+    attention: Literal["auto", "xla", "cudnn", "splash"] = key(
+        "auto", "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
     )
 
     def validate(self) -> None:

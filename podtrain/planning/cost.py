@@ -124,11 +124,11 @@ _SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
 _FREE = ("bitcast",)  # a new name for the same bytes
 
 
-def _body(lines: list[str], through_converts: bool):
+def _body(lines: list[str]):
     """A fusion body's instructions as (line, name, bytes, op, operands), and `origin`: the
-    instruction a name stands for through bitcasts (and converts, with `through_converts`)."""
+    instruction a name stands for through bitcasts."""
     ops = [(line, r, hlo.nbytes(t), op, operands) for line, r, t, op, operands in hlo.instructions(lines)]
-    passed = {r: operands[0] for _, r, _, op, operands in ops if op in _FREE or (through_converts and op == "convert")}
+    passed = {r: operands[0] for _, r, _, op, operands in ops if op in _FREE}
 
     def origin(name: str) -> str:
         while name in passed:
@@ -138,11 +138,11 @@ def _body(lines: list[str], through_converts: bool):
     return ops, passed, origin
 
 
-def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> dict[int, int]:
+def _partial_reads(lines: list[str], bodies: dict) -> dict[int, int]:
     """Parameters a fusion body reads only in part: index -> bytes read. A parameter only sliced
     (also inside a nested fusion) reads its slices; one only updated in place by
     dynamic-update-slice reads nothing; one read any other way is missing (read whole)."""
-    ops, passed, origin = _body(lines, through_converts)
+    ops, passed, origin = _body(lines)
     params = {r: int(re.search(r"parameter\((\d+)\)", line).group(1)) for line, r, _, op, _ in ops if op == "parameter"}
     parts: dict[int, list] = defaultdict(list)
     for line, r, size, op, operands in ops:
@@ -154,25 +154,22 @@ def _partial_reads(lines: list[str], bodies: dict, through_converts: bool) -> di
             elif op == "dynamic-update-slice" and position == 0:
                 read = 0
             elif op == "fusion" and (called := re.search(r"\bcalls=%?([\w.\-]+)", line)):
-                read = _partial_reads(bodies.get(called.group(1), ()), bodies, through_converts).get(position)
+                read = _partial_reads(bodies.get(called.group(1), ()), bodies).get(position)
             else:
                 read = None
             parts[params[origin(name)]].append(read)
     return {i: sum(reads) for i, reads in parts.items() if None not in reads}
 
 
-def _accesses(
-    lines: list[str], bodies: dict, operand_sizes: list[int], result_sizes: list[int], through_converts: bool = False
-) -> int:
+def _accesses(lines: list[str], bodies: dict, operand_sizes: list[int], result_sizes: list[int]) -> int:
     """Bytes of device memory a fusion reads and writes, seen from its body, given the device-memory
     size of each operand and of each result (0 for one on chip): an operand that is only sliced
     is read in part (`_partial_reads`); a buffer updated in place by dynamic-update-slice (a result
     of its own, or one of a tuple of results) is neither read nor written whole, only the update is
-    written. `through_converts`: a buffer converted to another dtype around its update counts as
-    updated in place too (what the CPU compiler makes of a bf16 update that a GPU does in place)."""
-    partial = _partial_reads(lines, bodies, through_converts)
+    written."""
+    partial = _partial_reads(lines, bodies)
     read = sum(min(size, partial.get(i, size)) for i, size in enumerate(operand_sizes))
-    listed, _, origin = _body(lines, through_converts)
+    listed, _, origin = _body(lines)
     ops = {r: (op, operands, size) for _, r, size, op, operands in listed}
     root = next((r for line, r, *_ in listed if line.lstrip().startswith("ROOT")), None)
     op, operands, _ = ops.get(origin(root), (None, (), 0)) if root else (None, (), 0)
@@ -241,12 +238,10 @@ def _source(frames: dict[str, str], line: str, body: list[str] = ()) -> str:
     return ""
 
 
-def operations(text: str, through_converts: bool = False) -> list[Operation]:
+def operations(text: str) -> list[Operation]:
     """Every top-level operation of one run of the program with the bytes it moves: each reads
     its operands and writes its result (a fusion as its body sees them), once per loop
-    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip.
-    `through_converts` counts buffers converted around an in-place update as updated in place
-    (see `_accesses`): for a GPU's step compiled on a CPU."""
+    iteration, as XLA's cost analysis counts them; what happens inside a fusion stays on chip."""
     bodies, entry = hlo.computations(text)
     frames, found = _stack_frames(text), []
 
@@ -265,7 +260,7 @@ def operations(text: str, through_converts: bool = False) -> list[Operation]:
                     visit(callee, times)
                 continue
             if op == "fusion":
-                moved = _accesses(called, bodies, [sizes.get(o, 0) for o in operands], placed, through_converts)
+                moved = _accesses(called, bodies, [sizes.get(o, 0) for o in operands], placed)
             elif op.endswith("-start"):
                 moved = _async_start(op, type_text, [sizes.get(o, 0) for o in operands])
             elif op.endswith("-done"):

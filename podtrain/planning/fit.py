@@ -27,6 +27,7 @@ from podtrain.train.job import Job, build
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", re.S)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+UNROLLED_SHARE = 0.9  # of a device's memory that `scan_unroll=auto` lets an unrolled step take
 
 
 @dataclass
@@ -97,6 +98,28 @@ def measure(job: Job, available: float) -> tuple[Memory, object | None]:
     memory.temporaries = m.temp_size_in_bytes
     memory.total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return memory, compiled
+
+
+def unrolled(cfg: Config) -> Config:
+    """cfg with every layer unrolled: scan_unroll the longest stack's length."""
+    layers = max(getattr(cfg.model, k, 1) for k in ("n_layers", "H_layers", "L_layers"))
+    return changed(cfg, {"model.scan_unroll": layers})
+
+
+def roomy(memory: Memory) -> bool:
+    """Whether `scan_unroll=auto` takes a step of this memory unrolled: at most UNROLLED_SHARE of a device."""
+    return memory.total <= UNROLLED_SHARE * memory.available
+
+
+def choose_unroll(cfg: Config, mesh, available: float) -> Config:
+    """`model.scan_unroll=auto` on a GPU: every layer unrolled where that step, compiled, is
+    `roomy`, else scanned one layer at a time. Unrolled, XLA schedules across layers and fills and
+    slices no stack of saved activations: the 1B recipe ran 1.15x as fast on an H100, in 37.3 GiB
+    against 29.1."""
+    if cfg.model.scan_unroll != "auto":
+        return cfg
+    memory, _ = measure(build(unrolled(cfg), mesh, data=False), available)
+    return unrolled(cfg) if roomy(memory) else changed(cfg, {"model.scan_unroll": 1})
 
 
 def changed(cfg: Config, changes: dict) -> Config:

@@ -97,19 +97,20 @@ def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: 
 
 
 def for_target(cfg: Config, target: Target) -> Config:
-    """`auto` settings as the target's platform takes them. The estimate for a GPU compiles on
-    the CPU, where a stand-in of cuDNN's fused attention (its inputs, outputs and softmax
-    statistics; no scores) takes the kernel's place."""
+    """`auto` settings as the target takes them; a GPU's scan_unroll by its compiled step's memory."""
     cfg = resolve_auto(cfg, target.platform)
-    if target.estimate and cfg.model.attention == "cudnn":
-        cfg = fit.changed(cfg, {"model.attention": "cudnn_estimate"})
-    return cfg
+    return fit.choose_unroll(cfg, build_mesh(cfg.mesh, target.devices), target.chip.memory)
 
 
 def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     """Compile cfg's train step for the target and predict; with `remedy`, a job that does not fit
     also gets the smallest usual change that does."""
-    cfg = for_target(cfg, target)
+    cfg = resolve_auto(cfg, target.platform)
+    if cfg.model.scan_unroll == "auto":  # a GPU's, as `fit.choose_unroll` takes it, from one compile
+        faster = plan(fit.unrolled(cfg), target, remedy=False)
+        if fit.roomy(faster.memory):
+            return faster
+        cfg = fit.changed(cfg, {"model.scan_unroll": 1})
     n = len(target.devices)
     mesh = build_mesh(cfg.mesh, target.devices)
     job = build(cfg, mesh, data=False)
@@ -132,7 +133,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.matmul_flops = float(cost.matmul_flops(text))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives, result.axes_bytes = hlo.summary(found), hlo.by_axes(found, result.mesh)
-        ops = cost.operations(text, through_converts=target.estimate)
+        ops = cost.operations(text)
         result.traffic = float(sum(o.bytes for o in ops))
         result.top_bytes, result.top_flops = cost.top(ops, TOP_KEPT, "bytes"), cost.top(ops, TOP_KEPT, "flops")
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
@@ -179,7 +180,6 @@ def as_json(p: Plan, top: int = 0) -> dict:
     out = {
         "target": p.target.name,
         "chip": p.target.chip.name,
-        "estimate": p.target.estimate,
         "devices": len(p.target.devices),
         "mesh": p.mesh,
         "remat": p.cfg.model.remat,
@@ -248,7 +248,7 @@ def report(p: Plan, top: int = 0) -> str:
     lines = [
         f"target      {p.target.label}",
         f"job         {c.model.name}, {c.model.compute_dtype} compute, {c.model.attention} attention, "
-        f"remat {c.model.remat}, batch "
+        f"remat {c.model.remat}, scan_unroll {c.model.scan_unroll}, batch "
         f"{c.train.batch_size} x {p.tokens_per_step // c.train.batch_size} (grad_accum {c.train.grad_accum}), "
         f"mesh {' '.join(f'{a}={n}' for a, n in p.mesh.items())}, compiled in {p.compile_s:.1f} s",
         f"memory      {m.summary()}: " + ("fits" if p.fits else "DOES NOT FIT"),
@@ -269,7 +269,7 @@ def report(p: Plan, top: int = 0) -> str:
         + (
             f"; along {', '.join(f'{k} {v / 2**20:,.1f} MiB' for k, v in p.axes_bytes.items())}" if p.axes_bytes else ""
         ),
-        f"speed       {_speed(p)}" + (" [estimate]" if p.target.estimate else ""),
+        f"speed       {_speed(p)}",
     ]
     if p.times:
         lines.append("roofline    " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in p.times.items() if k != "step"))

@@ -1,14 +1,13 @@
-"""The devices of a hardware target to plan a job for.
+"""The devices of a hardware target to plan a job for: the real chip's, with no chip present.
 
-A TPU target (`v4-32`, `v5e-8`, `v6e-8`, ...) is the real chip: with libtpu installed (the `tpu`
-extra) XLA compiles for a TPU topology on a machine without one. A GPU target (`h100`, `h100x8`,
-`a100x8`, `h200`) or `cpu:N` compiles for this machine's CPU with N fake host devices: the same
-partitioned program, but memory and speed are estimates, not the GPU compiler's answer.
+A TPU target (`v4-32`, `v5e-8`, `v6e-8`, ...): with libtpu installed (the `tpu` extra) XLA
+compiles for a TPU topology. A GPU target (`h100`, `h100x8`, `a100x8`, `h200`): XLA's GPU compiler,
+from JAX's CUDA plugin, compiles for a description of the card (`gpus.py`) with no GPU and no
+CUDA library. `cpu:N` is this machine's CPU split into N fake host devices.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 
 from podtrain.errors import ConfigError, DeviceError
+from podtrain.planning import gpus
 from podtrain.runtime.chips import CHIPS, Chip, GiB, host_memory
 
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
@@ -32,17 +32,14 @@ class Target:
     name: str
     platform: str  # what the job would run on: tpu, gpu or cpu (sets `auto` precision)
     chip: Chip
-    devices: list  # the devices to compile for: the TPU topology's, or fake host devices
-    estimate: bool  # compiled for this machine's CPU in place of the target's chip
+    devices: list  # the devices to compile for: the TPU's or GPU's topology's, or fake host devices
 
     @property
     def label(self) -> str:
-        how = (
-            "estimated on fake CPU devices, not compiled for the GPU; cuDNN's attention by a stand-in of its memory"
-            if self.estimate
-            else f"compiled for the {self.platform.upper()}"
+        return (
+            f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each "
+            f"(compiled for the {self.platform.upper()})"
         )
-        return f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each ({how})"
 
 
 def _doubled(dims: list[int], times: int) -> list[int]:
@@ -93,7 +90,7 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). "
             "Install the tpu extra: `pip install -e '.[tpu]'`."
         ) from None
-    return Target(name, "tpu", CHIPS[generation], list(topology.devices), estimate=False)
+    return Target(name, "tpu", CHIPS[generation], list(topology.devices))
 
 
 def measured_cpu(devices: int) -> Chip:
@@ -124,12 +121,11 @@ def fake_devices(name: str, count: int) -> list:
     return have[:count]
 
 
-def device_count(name: str) -> int | None:
-    """How many host devices a GPU or CPU target needs (the CLI sets jax_num_cpu_devices from it
-    before JAX starts); None for TPU targets."""
-    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", name)
+def cpu_count(name: str) -> int | None:
+    """How many host devices a `cpu:N` target needs (the CLI sets jax_num_cpu_devices from it
+    before JAX starts); None for other targets."""
     cpu = re.fullmatch(r"cpu:(\d+)", name)
-    return int(gpu.group(2) or 1) if gpu else int(cpu.group(1)) if cpu else None
+    return int(cpu.group(1)) if cpu else None
 
 
 def target(name: str) -> Target:
@@ -139,17 +135,13 @@ def target(name: str) -> Target:
     if tpu:
         generation = TPU_ALIASES.get(tpu.group(1), tpu.group(1))
         return tpu_target(name, generation, int(tpu.group(2)))
-    count = device_count(name)
-    if count is None or count < 1:
+    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", name)
+    count = int(gpu.group(2) or 1) if gpu else cpu_count(name)
+    if not count:
         raise ConfigError(
             f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box "
             "(h100, h100x8, a100x8, h200), or cpu:N."
         )
-    if name.startswith("cpu"):
-        return Target(name, "cpu", measured_cpu(count), fake_devices(name, count), estimate=False)
-    chip = CHIPS[name.split("x")[0]]
-    # JAX's GPU client takes this fraction of the memory up front and allocates from it alone.
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-    return Target(
-        name, "gpu", dataclasses.replace(chip, memory=chip.memory * fraction), fake_devices(name, count), estimate=True
-    )
+    if gpu:
+        return Target(name, "gpu", gpus.chip(gpu.group(1)), gpus.devices(gpu.group(1), count))
+    return Target(name, "cpu", measured_cpu(count), fake_devices(name, count))

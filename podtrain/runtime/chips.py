@@ -29,17 +29,18 @@ class Chip:
 # over one mesh axis uses a link each way). Usable HBM is what XLA's TPU compiler reports as
 # available (libtpu 0.0.42, measured): a little under the nominal 16/32/95 GiB. v3 shows one JAX
 # device per core (half a chip); v4 and v5p one per chip (megacore). GPU: NVIDIA's datasheets
-# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100); a GPU target
-# holds what JAX's allocator may take, XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of it.
+# (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100), memory as CUDA
+# reports it (an H100's, read from one: 85,017,493,504 B, of which JAX's limit took 59.38 GiB at
+# its default fraction 0.75); a GPU target holds XLA_PYTHON_CLIENT_MEM_FRACTION of it.
 CHIPS = {
     "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10),
     "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10),
     "v5e": Chip("TPU v5e", r"tpu v5 ?(lite|e)", 15.75 * GiB, 197e12, 819e9, 2 * 4.5e10),
     "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10),
     "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10),
-    "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 80e9, 989e12, 3.35e12, 450e9),
-    "h200": Chip("NVIDIA H200", r"h200", 141e9, 989e12, 4.8e12, 450e9),
-    "a100": Chip("NVIDIA A100 SXM", r"a100", 80e9, 312e12, 2.039e12, 300e9),
+    "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 85_017_493_504, 989e12, 3.35e12, 450e9),
+    "h200": Chip("NVIDIA H200", r"h200", 150_754_328_576, 989e12, 4.8e12, 450e9),
+    "a100": Chip("NVIDIA A100 SXM", r"a100", 85_198_045_184, 312e12, 2.039e12, 300e9),
 }
 # Peak FLOP/s of kinds seen on real devices that no planning target names (for MFU in `train`).
 OTHER_PEAKS = ((r"h100.*pcie", 756e12), (r"h100.*nvl", 835e12), (r"b200", 2250e12))

@@ -19,6 +19,8 @@ from podtrain.config.schema import Config, MeshConfig
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import ConfigError, DataError
 from podtrain.models import MODELS, family
+from podtrain.planning import fit
+from podtrain.runtime.chips import device_memory
 from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.state import ModelFns, model_fns
@@ -27,13 +29,13 @@ from podtrain.train.tasks.language import LanguageTask
 
 def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
     """Start the runtime (processes, devices, mesh) and resolve the config's `auto` values for it."""
-    if cfg.model.attention == "cudnn_estimate":
-        raise ConfigError(
-            "model.attention=cudnn_estimate stands in for cuDNN's attention in GPU plans and computes nothing; "
-            "use model.attention=cudnn (or auto) to run."
-        )
     rt = runtime.start(cfg, announce)
-    return rt, resolve_auto(cfg, rt.platform)
+    resolved = resolve_auto(cfg, rt.platform)
+    if resolved.model.scan_unroll == "auto":
+        resolved = fit.choose_unroll(resolved, rt.mesh, device_memory(rt.devices[0]))
+        if announce and rt.is_main:
+            print(f"[podtrain] model.scan_unroll=auto: {resolved.model.scan_unroll} (by the compiled step's memory)")
+    return rt, resolved
 
 
 @dataclass

@@ -3,14 +3,12 @@ moves, standing in for it in a GPU plan compiled on a CPU."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from podtrain.models.layers import HEADS, KV_HEADS, SEGMENTS
+from podtrain.models.layers import HEADS, SEGMENTS
 from podtrain.sharding import gather, logical_spec, per_shard, shards
 
 SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: sequences are whole blocks
@@ -99,41 +97,3 @@ def _sight(masks):
             return hash(self.key)
 
     return Sight
-
-
-def _not_run(*_):
-    raise RuntimeError(
-        "model.attention=cudnn_estimate only stands in for cuDNN's kernel in a plan; it computes nothing"
-    )
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_stand_in(q_BTNH, k_BTKH, v_BTKH, causal):
-    return _stand_in_fwd(q_BTNH, k_BTKH, v_BTKH, causal)[0]
-
-
-def _stand_in_fwd(q_BTNH, k_BTKH, v_BTKH, causal):
-    b, t, n, _ = q_BTNH.shape
-    shapes = (jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32))
-    out, lse = jax.pure_callback(_not_run, shapes, q_BTNH, k_BTKH, v_BTKH)
-    return out, (q_BTNH, k_BTKH, v_BTKH, out, lse)
-
-
-def _stand_in_bwd(causal, residuals, d_out):
-    q, k, v, out, lse = residuals
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return jax.pure_callback(_not_run, shapes, q, k, v, out, lse, d_out)
-
-
-_fused_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)
-
-
-def fused_attention_stand_in(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool = True):
-    """What a fused attention kernel (cuDNN's, FlashAttention) holds and moves, for a GPU plan
-    compiled on a CPU: forward, it reads q, k, v and writes the output and its softmax statistics
-    (batch, heads, seq) in float32; backward, it reads those with the output's gradient and writes
-    the gradients of q, k and v. No (seq, seq) scores exist, as in the kernel. Host callbacks that
-    are compiled, never run, stand for its two passes, per device shard; its FLOPs are the
-    model's (the plan's compute time takes at least those)."""
-    run = per_shard(lambda q, k, v: _fused_stand_in(q, k, v, causal), (HEADS, KV_HEADS, KV_HEADS), HEADS)
-    return run(q_BTNH, k_BTKH, v_BTKH)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models.attention.context import context_attention
-from podtrain.models.attention.kernels import fused_attention_stand_in, splash_attention
+from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
 from podtrain.sharding import constrain, context_order, shards
@@ -141,8 +141,6 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 softcap=self.softcap,
             )
-        elif self.implementation == "cudnn_estimate":
-            out = fused_attention_stand_in(q, k, v, self.causal)
         elif self.implementation == "cudnn":  # no segments or windows: config/checks.py refuses them
             out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal, implementation="cudnn")
         else:
