@@ -290,7 +290,7 @@ REMAT_POLICIES = {
 
 
 def scan_layers(
-    layers: nnx.Module, x: jax.Array, *args, per_layer: tuple = (), remat: str = "none", unroll: int = 1
+    layers: nnx.Module, x: jax.Array, *args, per_layer: tuple = (), remat: str = "none", unroll: int | str = 1
 ) -> tuple[jax.Array, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
@@ -298,6 +298,7 @@ def scan_layers(
     returns (x, report) (an MoE layer's routing statistics); else None.
 
     Compile time stays independent of depth; `remat` trades recomputation for activation memory.
+    `unroll` layers per iteration; `auto` that no runtime resolved (a model built by hand) scans.
     """
     graphdef, state = nnx.split(layers)
 
@@ -309,7 +310,7 @@ def scan_layers(
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (state, per_layer), unroll=unroll)
+    return jax.lax.scan(body, x, (state, per_layer), unroll=1 if unroll == "auto" else unroll)
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:
