@@ -31,12 +31,20 @@ from helpers import CLEAN_ENV, SMALL, podtrain, run_steps
 TESTS = Path(__file__).parent
 
 
-# fsdp spans the two processes (its all-gathers and reduce-scatters cross them) and splits the
-# batch with data; test_resume_on_another_process_count splits it over processes by data alone.
-@pytest.mark.parametrize("nproc,per_proc,mesh", [(2, 4, (1, 4, 2))])
-def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
+# One mesh over both processes: fsdp spans them (its all-gathers and reduce-scatters cross them)
+# and splits the batch with data. Or each process a slice (mesh.dcn_data=2): fsdp and tensor
+# inside each, data across. test_resume_on_another_process_count splits the batch by data alone.
+@pytest.mark.parametrize(
+    "nproc,per_proc,mesh,status",
+    [
+        (2, 4, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], "mesh data=1 fsdp=4 context=1 expert=1 tensor=2"),
+        (2, 4, ["mesh.dcn_data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], "mesh data=2x1 fsdp=2 context=1 "
+         "expert=1 tensor=2 on 2 slices of 4 devices"),
+    ],
+)  # fmt: skip
+def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh, status):
     run = tmp_path / "run"
-    overrides = SMALL + [f"mesh.data={mesh[0]}", f"mesh.fsdp={mesh[1]}", f"mesh.tensor={mesh[2]}", "train.steps=3"]
+    overrides = SMALL + [*mesh, "train.steps=3"]
     args = ["train.log_every=1", "train.eval_batches=1", "train.sample_tokens=8", f"run_dir={run}"]
     done = podtrain(
         "launch",
@@ -51,7 +59,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"process 0/{nproc}, mesh data={mesh[0]} fsdp={mesh[1]} context=1 expert=1 tensor={mesh[2]}" in done.stdout
+    assert f"process 0/{nproc}, {status}" in done.stdout
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"process_{i}.log" for i in range(nproc)]
 
     losses, params = run_steps(overrides, n_devices=8)

@@ -129,6 +129,15 @@ class MeshConfig:
         "-1 or >= 1",
     )
     tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
+    dcn_data: int = key(
+        1,
+        "slices (TPU slices; off a TPU, processes) that split the batch across the data-centre network, each "
+        "with the axes above inside it; -1: the rest. All dcn_ sizes 1: one mesh over every device",
+        "-1 or >= 1",
+    )
+    dcn_fsdp: int = key(
+        1, "slices that split the params, gradients and optimizer state across the network", "-1 or >= 1"
+    )
 
 
 @dataclass

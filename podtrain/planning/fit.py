@@ -21,7 +21,7 @@ from podtrain.config.checks import validate
 from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
 from podtrain.runtime.chips import GiB, device_memory
-from podtrain.runtime.mesh import build_mesh, resolve_shape
+from podtrain.runtime.mesh import build_mesh, slices, split_shape
 from podtrain.sharding import RULES
 from podtrain.train.job import Job, build
 
@@ -136,10 +136,11 @@ def describe(changes: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in changes.items())
 
 
-def remedies(cfg: Config, n_devices: int) -> list[dict]:
-    """The usual changes, one at a time and smallest first: more fsdp (taken from the data axis),
-    remat dots then full, a smaller microbatch with gradient accumulation; then all together."""
-    shape = resolve_shape(cfg.mesh, n_devices)
+def remedies(cfg: Config, n_devices: int, n_slices: int = 1) -> list[dict]:
+    """The usual changes, one at a time and smallest first: more fsdp (taken from the data axis,
+    within a slice), remat dots then full, a smaller microbatch with gradient accumulation; then
+    all together."""
+    shape, across = split_shape(cfg.mesh, n_devices, n_slices)
     data, fsdp = shape["data"], shape["fsdp"]
     t, policies = cfg.train, ("none", "dots", "full")
     sharded = [
@@ -148,7 +149,7 @@ def remedies(cfg: Config, n_devices: int) -> list[dict]:
         if data % k == 0
     ]
     remat = [{"model.remat": p} for p in policies[policies.index(cfg.model.remat) + 1 :]]
-    dp = math.prod(shape[a] for a in RULES["act_batch"])  # the microbatch splits over these whatever their split
+    dp = math.prod(shape[a] * across[a] for a in RULES["act_batch"])  # the microbatch splits over these
     accum = [
         {"train.grad_accum": a}
         for a in range(t.grad_accum + 1, t.batch_size + 1)
@@ -164,10 +165,10 @@ def devices_needed(memory: Memory) -> int:
     return 2 ** math.ceil(math.log2(max(1.0, memory.whole_state / (memory.available / 2))))
 
 
-def smallest_fix(cfg: Config, n_devices: int, attempt: Callable[[Config], object]) -> tuple[dict | None, object]:
+def smallest_fix(cfg: Config, devices: list, attempt: Callable[[Config], object]) -> tuple[dict | None, object]:
     """The first of `remedies` for which `attempt(changed config)` (anything with `.fits`) fits,
     with that attempt; (None, None) if none does."""
-    for changes in remedies(cfg, n_devices):
+    for changes in remedies(cfg, len(devices), len(slices(devices))):
         result = attempt(changed(cfg, changes))
         if result.fits:
             return changes, result
@@ -202,6 +203,6 @@ def check(job: Job, cfg: Config, devices: list) -> Memory:
     if memory.fits:
         return memory
     fix, _ = smallest_fix(
-        cfg, len(devices), lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0]
+        cfg, devices, lambda c: measure(build(c, build_mesh(c.mesh, devices), data=False), available)[0]
     )
     raise DoesNotFit(f"{advice(memory, len(devices), fix)} `podtrain plan` with --target shows where the memory goes.")

@@ -131,11 +131,11 @@ def _cudnn_from_description() -> None:
     cudnn.check_cudnn_version = version
 
 
-def devices(name: str, count: int) -> list:
-    """`count` compile-only devices of card `name` on one host."""
+def devices(name: str, count: int, hosts: int = 1) -> list:
+    """Compile-only devices of card `name`: `count` on each of `hosts` hosts."""
     from jax.experimental import topologies
 
-    options = {"target_config": target_config(name), "topology": f"1x1x{count}"}
+    options = {"target_config": target_config(name), "topology": f"1x{hosts}x{count}"}
     try:
         topology = topologies.get_topology_desc(platform="cuda", **options)
     except NotImplementedError:  # no CUDA plugin among JAX's

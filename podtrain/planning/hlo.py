@@ -214,6 +214,20 @@ def collectives(hlo: str) -> list[Collective]:
     return found
 
 
+def megascale_sends(hlo: str) -> int:
+    """Bytes one device sends per run to other TPU slices: a multi-slice program runs its
+    collectives within each slice and hands what crosses slices to the Megascale runtime as host
+    transfers (send and recv), each counted per loop iteration."""
+    bodies, entry = computations(hlo)
+    times = multipliers(bodies, entry)
+    return sum(
+        times.get(name, 0) * nbytes(elements(type_text)[0])
+        for name, lines in bodies.items()
+        for line, _, type_text, op, _ in instructions(lines)
+        if op == "send" and "xla_megascale_runtime" in line
+    )
+
+
 def _sliced_by_root(lines: list[str], instruction: str) -> bool:
     """Whether a computation's lines return a dynamic slice of `instruction`."""
     root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
@@ -244,10 +258,15 @@ def _iota(tile: str) -> np.ndarray:
     return ids.transpose(dims(perm.group(1))) if perm else ids
 
 
+def group(c: Collective) -> list[int]:
+    """The device ids of one of a collective's replica groups (they are alike), counted through the mesh."""
+    return _devices_together(c.replica_groups)
+
+
 def mesh_axes(c: Collective, mesh: dict[str, int]) -> tuple[str, ...]:
     """The mesh axes (sizes by name, in the mesh's order) along which a collective's devices
     differ: where its bytes travel. Device ids count through the mesh in its order."""
-    ids = _devices_together(c.replica_groups)
+    ids = group(c)
     if len(ids) < 2:
         return ()
     coords = np.array(np.unravel_index(ids, tuple(mesh.values())))

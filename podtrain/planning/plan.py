@@ -29,7 +29,7 @@ from podtrain.errors import PodtrainError
 from podtrain.planning import cost, fit, hlo
 from podtrain.planning.targets import Target
 from podtrain.runtime.chips import GiB
-from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape
+from podtrain.runtime.mesh import DCN_AXES, build_mesh, factorizations, resolve_shape, slices
 from podtrain.sharding import AXES
 from podtrain.train.job import build
 
@@ -50,6 +50,7 @@ class Plan:
     traffic: float | None = None  # bytes per device read and written in device memory per step
     collectives: dict = field(default_factory=dict)  # bytes per device per step, by kind
     axes_bytes: dict = field(default_factory=dict)  # bytes per device per step, by the mesh axes they travel
+    dcn: float | None = None  # bytes per device per step sent to other slices
     times: dict = field(default_factory=dict)  # compute, memory, network and step seconds
     compile_s: float = 0.0
     top_bytes: list[cost.Operation] = field(default_factory=list)  # the operations moving the most bytes
@@ -84,7 +85,21 @@ def network_bytes(found: list[hlo.Collective]) -> float:
     return total
 
 
-def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: float, found: list) -> dict:
+def dcn_bytes(found: list[hlo.Collective], slice_of: list[int]) -> float:
+    """Bytes one device sends per step to other hosts in collectives that span them (a GPU
+    program's; a TPU program's cross only through `hlo.megascale_sends`). A collective over g
+    devices on d hosts runs host by host: within each over its links, then across them on a g/d-th
+    of its bytes per device, a ring over d hosts: RING x (d - 1) / g of them."""
+    total = 0.0
+    for c in found:
+        ids = hlo.group(c)
+        d = len({slice_of[i] for i in ids})
+        if d > 1:
+            total += c.total_bytes * (RING[c.kind] * (d - 1) / len(ids) if c.kind in RING else 1.0)
+    return total
+
+
+def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: float, found: list, dcn: float) -> dict:
     chip = target.chip
     times = {
         # A Pallas kernel (splash attention) is a custom call whose FLOPs the HLO does not show:
@@ -92,6 +107,7 @@ def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: 
         "compute": max(matmul_flops, model_flops / len(target.devices)) / chip.peak_flops,
         "memory": traffic / chip.hbm_bandwidth,
         "network": network_bytes(found) / chip.link_bandwidth,
+        **({"dcn": dcn / chip.dcn_bandwidth} if target.slices > 1 else {}),
     }
     return {**times, "step": max(times.values())}
 
@@ -119,7 +135,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     result = Plan(
         target,
         cfg,
-        resolve_shape(cfg.mesh, n),
+        resolve_shape(cfg.mesh, n, len(slices(target.devices))),
         memory,
         job.tokens_per_step,
         job.flops_per_step,
@@ -136,9 +152,13 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         ops = cost.operations(text)
         result.traffic = float(sum(o.bytes for o in ops))
         result.top_bytes, result.top_flops = cost.top(ops, TOP_KEPT, "bytes"), cost.top(ops, TOP_KEPT, "flops")
-        result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found)
+        slice_index = {d.id: k for k, group in enumerate(slices(target.devices)) for d in group}
+        result.dcn = hlo.megascale_sends(text) + dcn_bytes(found, [slice_index[d.id] for d in mesh.devices.flat])
+        result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found, result.dcn)
     if remedy and not memory.fits:
-        result.remedy, result.remedy_plan = fit.smallest_fix(cfg, n, lambda c: plan(c, target, remedy=False))
+        result.remedy, result.remedy_plan = fit.smallest_fix(
+            cfg, target.devices, lambda c: plan(c, target, remedy=False)
+        )
     return result
 
 
@@ -151,13 +171,20 @@ def _cost_flops(compiled) -> float | None:
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
     """Every mesh whose product is the device count, under each remat policy: its plan, or why the
     model cannot take it; fitting plans first, fastest first. The context and expert axes are
-    tried only where the config uses them (other than 1); else they stay 1."""
-    n, rows = len(target.devices), []
+    tried only where the config uses them (other than 1); else they stay 1. Over several slices,
+    each split of them between the dcn axes too."""
+    rows, per_slice = [], len(target.devices) // target.slices
     tried = [a for a in AXES if a not in ("context", "expert") or getattr(cfg.mesh, a) != 1]
-    for sizes in factorizations(n, len(tried)):
+    meshes = [
+        {f"mesh.{a}": 1 for a in AXES}
+        | {f"mesh.{a}": s for a, s in zip(tried, sizes)}
+        | {f"mesh.dcn_{a}": s for a, s in zip(DCN_AXES, across)}
+        for across in factorizations(target.slices, len(DCN_AXES))
+        for sizes in factorizations(per_slice, len(tried))
+    ]
+    for mesh in meshes:
         for remat in ("none", "dots", "full"):
-            changes = {f"mesh.{a}": 1 for a in AXES} | {f"mesh.{a}": s for a, s in zip(tried, sizes)}
-            changes["model.remat"] = remat
+            changes = {**mesh, "model.remat": remat}
             try:
                 rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
             except PodtrainError as e:
@@ -200,6 +227,8 @@ def as_json(p: Plan, top: int = 0) -> dict:
         "memory_traffic_bytes_per_device": p.traffic,
         "collective_bytes_per_device": p.collectives,
         "collective_bytes_by_mesh_axes": p.axes_bytes,
+        "slices": p.target.slices,
+        "dcn_bytes_per_device": p.dcn,
         "times_s": p.times,
         "step_time_s": p.step_time,
         "tokens_per_step": p.tokens_per_step,
@@ -220,7 +249,7 @@ def as_json(p: Plan, top: int = 0) -> dict:
 def _speed(p: Plan) -> str:
     if not p.step_time:
         return "no prediction (not compiled: it does not fit)"
-    bound = max(("compute", "memory", "network"), key=p.times.get)
+    bound = max((k for k in p.times if k != "step"), key=p.times.get)
     return f"step {p.step_time * 1e3:,.1f} ms ({bound}-bound), {p.tokens_per_sec:,.0f} tokens/s, MFU {p.mfu:.1%}"
 
 
@@ -269,6 +298,14 @@ def report(p: Plan, top: int = 0) -> str:
         + (
             f"; along {', '.join(f'{k} {v / 2**20:,.1f} MiB' for k, v in p.axes_bytes.items())}" if p.axes_bytes else ""
         ),
+        *(
+            [
+                f"dcn         {fit.size(p.dcn)} per device per step between the {p.target.slices} slices, at "
+                f"{p.target.chip.dcn_bandwidth / 1e9:g} GB/s per device: {p.times.get('dcn', 0) * 1e3:,.1f} ms"
+            ]
+            if p.target.slices > 1 and p.dcn is not None
+            else []
+        ),
         f"speed       {_speed(p)}",
     ]
     if p.times:
@@ -285,12 +322,14 @@ def report(p: Plan, top: int = 0) -> str:
 
 
 def sweep_table(rows: list) -> str:
+    across = any(changes.get(f"mesh.dcn_{a}", 1) != 1 for changes, _ in rows for a in DCN_AXES)
+    axes = [*AXES, *(f"dcn_{a}" for a in DCN_AXES)] if across else list(AXES)
     lines = [
-        " ".join(f"{a:>4}" for a in AXES)
+        " ".join(f"{a:>4}" for a in axes)
         + f" {'remat':>5}  {'GiB/device':>10}  {'fits':>4}  {'step ms':>9}  {'tokens/s':>10}  {'MFU':>6}"
     ]
     for changes, p in rows:
-        mesh = " ".join(f"{changes[f'mesh.{a}']:>{max(4, len(a))}}" for a in AXES) + f" {changes['model.remat']:>5}"
+        mesh = " ".join(f"{changes[f'mesh.{a}']:>{max(4, len(a))}}" for a in axes) + f" {changes['model.remat']:>5}"
         if isinstance(p, str):
             lines.append(f"{mesh}  cannot: {p.split('. ')[0]}")
         else:

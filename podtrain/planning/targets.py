@@ -8,6 +8,7 @@ CUDA library. `cpu:N` is this machine's CPU split into N fake host devices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -33,12 +34,14 @@ class Target:
     platform: str  # what the job would run on: tpu, gpu or cpu (sets `auto` precision)
     chip: Chip
     devices: list  # the devices to compile for: the TPU's or GPU's topology's, or fake host devices
+    slices: int = 1  # TPU slices, or GPU hosts, joined by the data-centre network
 
     @property
     def label(self) -> str:
+        many = f"{self.slices} {'slices' if self.platform == 'tpu' else 'hosts'} of " if self.slices > 1 else ""
         return (
-            f"{self.name}: {len(self.devices)} x {self.chip.name}, {self.chip.memory / GiB:.2f} GiB each "
-            f"(compiled for the {self.platform.upper()})"
+            f"{self.name}: {many}{len(self.devices) // self.slices} x {self.chip.name}, "
+            f"{self.chip.memory / GiB:.2f} GiB each (compiled for the {self.platform.upper()})"
         )
 
 
@@ -57,7 +60,7 @@ def _topology(generation: str, chips: int) -> list[int]:
     return _doubled([2, 2, 1], steps - 2) if chips >= 4 else _doubled([1, 1, 1], steps)
 
 
-def tpu_target(name: str, generation: str, cores: int) -> Target:
+def tpu_target(name: str, generation: str, cores: int, slices: int = 1) -> Target:
     chips = cores // CORES_PER_CHIP[generation]
     if chips < 1 or chips & (chips - 1):
         raise ConfigError(
@@ -81,7 +84,7 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
         from jax.experimental import topologies
 
         topology = topologies.get_topology_desc(
-            platform="tpu", topology_name=f"{generation}:{'x'.join(map(str, dims))}", **options
+            platform="tpu", topology_name=f"{generation}:{'x'.join(map(str, dims))}", num_slices=slices, **options
         )
     except Exception as e:  # no libtpu, or a topology it does not know
         raise DeviceError(
@@ -90,7 +93,7 @@ def tpu_target(name: str, generation: str, cores: int) -> Target:
             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). "
             "Install the tpu extra: `pip install -e '.[tpu]'`."
         ) from None
-    return Target(name, "tpu", CHIPS[generation], list(topology.devices))
+    return Target(name, "tpu", CHIPS[generation], list(topology.devices), slices)
 
 
 def measured_cpu(devices: int) -> Chip:
@@ -129,19 +132,25 @@ def cpu_count(name: str) -> int | None:
 
 
 def target(name: str) -> Target:
-    """The devices and chip of `--target NAME`."""
+    """The devices and chip of `--target NAME`; `NxNAME` is N of them joined by the data-centre
+    network (TPU slices, GPU hosts)."""
     name = name.strip().lower()
-    tpu = re.fullmatch(r"(v3|v4|v5e|v5p|v6e|v5litepod|v5lite)-(\d+)", name)
-    if tpu:
+    many = re.fullmatch(r"(\d+)x([a-z].*)", name)
+    slices, one = (int(many.group(1)), many.group(2)) if many else (1, name)
+    tpu = re.fullmatch(r"(v3|v4|v5e|v5p|v6e|v5litepod|v5lite)-(\d+)", one)
+    if tpu and slices >= 1:
         generation = TPU_ALIASES.get(tpu.group(1), tpu.group(1))
-        return tpu_target(name, generation, int(tpu.group(2)))
-    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", name)
+        return dataclasses.replace(tpu_target(one, generation, int(tpu.group(2)), slices), name=name)
+    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", one)
     count = int(gpu.group(2) or 1) if gpu else cpu_count(name)
     if not count:
         raise ConfigError(
             f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box "
-            "(h100, h100x8, a100x8, h200), or cpu:N."
+            "(h100, h100x8, a100x8, h200), N of either joined by the network (2xv5e-256, 2xh100x8), or cpu:N."
         )
-    if gpu:
-        return Target(name, "gpu", gpus.chip(gpu.group(1)), gpus.devices(gpu.group(1), count))
+    if gpu and slices >= 1:
+        devices = gpus.devices(gpu.group(1), count, slices)
+        return Target(name, "gpu", gpus.chip(gpu.group(1)), devices, slices)
+    if slices != 1:
+        raise ConfigError(f"--target {name}: cpu:N is one machine; give N x TPU slices or GPU hosts.")
     return Target(name, "cpu", measured_cpu(count), fake_devices(name, count))

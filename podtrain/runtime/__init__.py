@@ -66,7 +66,7 @@ def start(cfg: Config, announce: bool = True) -> Runtime:
     if announce and rt.is_main:
         print(
             f"[podtrain] {devices_lib.describe(devices)}, process {jax.process_index()}/{jax.process_count()}, "
-            f"{mesh_lib.describe(mesh)}",
+            f"{mesh_lib.describe(mesh, cfg.mesh)}",
             flush=True,
         )
     return rt

@@ -99,12 +99,12 @@ def show(check: Check) -> None:
         print(f"[doctor] {mark} {check.name}: {check.detail}{fix}", flush=True)
 
 
-def devices(rt) -> tuple[str, None]:
+def devices(rt, cfg: Config) -> tuple[str, None]:
     local = jax.local_devices(backend=rt.platform)
     return (
         f"{devices_lib.describe(rt.devices)} ({len(local)} on process {jax.process_index()} of "
         f"{jax.process_count()}, host {socket.gethostname()}), {size(device_memory(rt.devices[0]))} each; "
-        f"{mesh_lib.describe(rt.mesh)}"
+        f"{mesh_lib.describe(rt.mesh, cfg.mesh)}"
     ), None
 
 
@@ -272,7 +272,7 @@ def doctor(cfg: Config) -> None:
         results.append(check)
         return value
 
-    run("devices", "check device_type and the hosts' drivers", devices, rt)
+    run("devices", "check device_type and the hosts' drivers", devices, rt, cfg)
     found = run("data", "check data.source and data.path", data, cfg, rt)
     job, batch = found if found else (build(cfg, rt.mesh, data=False), None)
     trained = None
