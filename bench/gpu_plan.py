@@ -1,11 +1,11 @@
 """GPU plans against the GPU's compiler: the 1B recipe's step memory per device as
 `plan --target CARD` compiles it here (no GPU), beside what the card's compiler allocated.
 
-    python bench/gpu_plan.py [--target h100]
+    python bench/gpu_plan.py [--target h100|h200]
 
 The measured column is the `step memory` line of `podtrain train configs/llama_1b.yaml ...` on
-one H100 80GB HBM3 (jax 0.11.2, CUDA 13); the plan must come within 15% of each and give the same
-verdict (fits / does not fit).
+one H100 80GB HBM3 or one H200 (jax 0.11.2, CUDA 13); the plan must come within 15% of each and
+give the same verdict (fits / does not fit).
 """
 
 from __future__ import annotations
@@ -23,22 +23,26 @@ from podtrain.planning import targets as hardware  # noqa: E402
 from podtrain.runtime.chips import GiB  # noqa: E402
 
 RECIPE = Path(__file__).parent.parent / "configs" / "llama_1b.yaml"
-MEASURED_ON_H100 = [  # overrides of the recipe, GiB per device the H100's compiler allocated
-    (["model.scan_unroll=1"], 29.13),
-    (["model.scan_unroll=22"], 37.29),
-    (["model.scan_unroll=1", "model.remat=full"], 20.70),
-    (["model.scan_unroll=1", "train.batch_size=16"], 42.71),
-]
+MEASURED = {  # overrides of the recipe, GiB per device the card's compiler allocated
+    "h100": [
+        (["model.scan_unroll=1"], 29.13),
+        (["model.scan_unroll=22"], 37.29),
+        (["model.scan_unroll=1", "model.remat=full"], 20.70),
+        (["model.scan_unroll=1", "train.batch_size=16"], 42.71),
+    ],
+    "h200": [(["model.scan_unroll=22"], 40.98)],
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h100")
-    target = hardware.target(parser.parse_args().target)
+    parser.add_argument("--target", default="h100", choices=MEASURED)
+    card = parser.parse_args().target
+    target = hardware.target(card)
     print(target.label)
     print(f"{'overrides of llama_1b.yaml':<44} {'planned':>8} {'measured':>9} {'ratio':>6}  fits")
     worst = 0.0
-    for overrides, measured in MEASURED_ON_H100:
+    for overrides, measured in MEASURED[card]:
         p = plan.plan(load_config(RECIPE, overrides), target, remedy=False)
         planned = p.memory.total / GiB
         worst = max(worst, abs(planned / measured - 1))

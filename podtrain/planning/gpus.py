@@ -26,7 +26,8 @@ CUDNN = (9, 19)  # the cuDNN the description names: XLA picks its fused attentio
 
 @dataclass(frozen=True)
 class Card:
-    """What XLA's GPU compiler asks of a card (NVIDIA's datasheets; the H100's as its device reports)."""
+    """What XLA's GPU compiler asks of a card: the H100's and H200's as the cards report them, the
+    A100's from NVIDIA's datasheet."""
 
     kind: str  # the device_kind JAX reports
     capability: tuple[int, int]
@@ -40,7 +41,7 @@ class Card:
 
 CARDS = {
     "h100": Card("NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 233472, 232448, 50 * 2**20, 1.98),
-    "h200": Card("NVIDIA H200", (9, 0), 132, 128, 233472, 232448, 50 * 2**20, 1.98),
+    "h200": Card("NVIDIA H200", (9, 0), 132, 128, 233472, 232448, 60 * 2**20, 1.98),
     "a100": Card("NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 167936, 166912, 40 * 2**20, 1.41),
 }
 

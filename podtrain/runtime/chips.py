@@ -31,11 +31,11 @@ class Chip:
 # available (libtpu 0.0.42, measured): a little under the nominal 16/32/95 GiB. v3 shows one JAX
 # device per core (half a chip); v4 and v5p one per chip (megacore). GPU: NVIDIA's datasheets
 # (SXM; dense bf16; NVLink 450 GB/s per direction on H100/H200, 300 on A100), memory as CUDA
-# reports it (an H100's, read from one: 85,017,493,504 B, of which JAX's limit took 59.38 GiB at
-# its default fraction 0.75); a GPU target holds XLA_PYTHON_CLIENT_MEM_FRACTION of it. Across
-# slices or hosts (DCN): the Cloud TPU pages' network per chip (v5p 50 Gbps; v5e 2 x 100 and v6e
-# 4 x 200 Gbps NICs per 8-chip host; v4 taken as v5p's, a v3 core as a v5e chip) and one InfiniBand
-# NIC per GPU (DGX H100: 400 Gb/s; DGX A100: 200).
+# reports it (read from the cards: an H100's 85,017,493,504 B, of which JAX's limit took 59.38 GiB
+# at its default fraction 0.75; an H200's 150,109,880,320 B, 104.85 GiB); a GPU target holds
+# XLA_PYTHON_CLIENT_MEM_FRACTION of it. Across slices or hosts (DCN): the Cloud TPU pages'
+# network per chip (v5p 50 Gbps; v5e 2 x 100 and v6e 4 x 200 Gbps NICs per 8-chip host; v4 taken
+# as v5p's, a v3 core as a v5e chip) and one InfiniBand NIC per GPU (DGX H100: 400 Gb/s; A100: 200).
 CHIPS = {
     "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10, 3.125e9),
     "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10, 6.25e9),
@@ -43,7 +43,7 @@ CHIPS = {
     "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10, 6.25e9),
     "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10, 12.5e9),
     "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 85_017_493_504, 989e12, 3.35e12, 450e9, 50e9),
-    "h200": Chip("NVIDIA H200", r"h200", 150_754_328_576, 989e12, 4.8e12, 450e9, 50e9),
+    "h200": Chip("NVIDIA H200", r"h200", 150_109_880_320, 989e12, 4.8e12, 450e9, 50e9),
     "a100": Chip("NVIDIA A100 SXM", r"a100", 85_198_045_184, 312e12, 2.039e12, 300e9, 25e9),
 }
 # Peak FLOP/s of kinds seen on real devices that no planning target names (for MFU in `train`).
