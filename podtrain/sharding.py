@@ -1,5 +1,5 @@
-"""How arrays are laid out on the mesh `data x fsdp x context x expert x tensor`: one table from logical axis names
-to mesh axes, and the few functions that apply it.
+"""How arrays are laid out on the mesh `data x stage x fsdp x context x expert x tensor`: one table
+from logical axis names to mesh axes, and the few functions that apply it.
 
 Parameters and activations both name logical axes; `RULES` alone decides what each mesh axis
 shards. Models pin their activations with `constrain`, which takes effect while a function
@@ -11,6 +11,7 @@ config and no runtime: models and tasks import it and nothing else of the mesh.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -19,7 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "context", "expert", "tensor")  # the last varies fastest: tensor on the nearest devices
+# The last varies fastest: tensor on the nearest devices.
+AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
@@ -30,7 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "vocab": ("tensor",),
     "head_dim": (),
-    "layers": (),
+    "layers": ("stage",),  # a stack's layers, cut into consecutive pipeline stages
     "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients
     "exp": ("expert",),  # an MoE layer's experts
@@ -38,7 +40,7 @@ RULES: dict[str, tuple[str, ...]] = {
     # tensor only; fsdp never splits a feature, so it moves weights, not activations. No weight is
     # split over context, and only experts over expert: the others' gradients are reduced over
     # them as over data (outside the MoE layers the expert axis is data parallelism).
-    "act_batch": ("data", "fsdp", "expert"),
+    "act_batch": ("data", "stage", "fsdp", "expert"),
     "act_seq": ("context",),
     "act_embed": (),
     "act_heads": ("tensor",),
@@ -50,11 +52,13 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 _TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("podtrain_tracing_mesh", default=None)
+_MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("podtrain_pipeline_microbatches", default=0)
+_TAKEN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("podtrain_taken_axes", default=frozenset())
 
 
 def _placement(names: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh):
     """(mesh axes per dimension, (dimension, name, size, axis) for each rule a dimension could not take)."""
-    used: set[str] = set()
+    used: set[str] = set(_TAKEN.get())
     placed, dropped = [], []
     for i, (name, dim) in enumerate(zip(names, shape)):
         axes = []
@@ -108,17 +112,19 @@ TPU_COMPILER_OPTIONS = {
 }
 
 
-def sharded_jit(fn, mesh: Mesh, **jit_kwargs):
-    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply;
-    on TPU compiled with `TPU_COMPILER_OPTIONS`."""
+def sharded_jit(fn, mesh: Mesh, microbatches: int = 0, **jit_kwargs):
+    """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply
+    (and a layer stack over `stage` pipelined in `microbatches`, 0: as many as stages); on TPU
+    compiled with `TPU_COMPILER_OPTIONS`."""
 
     @functools.wraps(fn)
     def on_mesh(*args, **kwargs):
-        token = _TRACING_MESH.set(mesh)
+        tokens = _TRACING_MESH.set(mesh), _MICROBATCHES.set(microbatches)
         try:
             return fn(*args, **kwargs)
         finally:
-            _TRACING_MESH.reset(token)
+            _TRACING_MESH.reset(tokens[0])
+            _MICROBATCHES.reset(tokens[1])
 
     if mesh.devices.flat[0].platform == "tpu":
         jit_kwargs.setdefault("compiler_options", TPU_COMPILER_OPTIONS)
@@ -149,6 +155,25 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
         return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
 
     return run
+
+
+def stages() -> tuple[int, int]:
+    """(pipeline stages, microbatches) of the function being traced: the mesh's `stage` size and
+    the microbatches asked for (as many as stages if none were); (1, 1) outside `sharded_jit`."""
+    mesh = _TRACING_MESH.get()
+    n = 1 if mesh is None else mesh.shape["stage"]
+    return n, (_MICROBATCHES.get() or n) if n > 1 else 1
+
+
+@contextlib.contextmanager
+def per_stage():
+    """Inside: code vmapped over the pipeline's stages, which adds their `stage` dimension to
+    every array itself; no constraint there may name `stage`."""
+    token = _TAKEN.set(_TAKEN.get() | {"stage"})
+    try:
+        yield
+    finally:
+        _TAKEN.reset(token)
 
 
 def _split_over(name: str) -> tuple[str, ...]:

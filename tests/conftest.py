@@ -36,7 +36,14 @@ def small_overrides():
 # The slowest files first (seconds of work each on 2 cores): xdist hands whole files (--dist
 # loadfile) to its workers in collection order, so a slow file collected last keeps one worker
 # busy while the other waits.
-SLOWEST_FIRST = ("test_plan.py", "test_reasoning.py", "test_multihost.py", "test_context.py", "test_mhc.py")
+SLOWEST_FIRST = (
+    "test_plan.py",
+    "test_reasoning.py",
+    "test_multihost.py",
+    "test_pipeline.py",
+    "test_context.py",
+    "test_mhc.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -95,7 +95,7 @@ def test_tpu_mesh_env_with_aliases():
     env = {"TPU_MESH_CONFIG": "4,4,2", "TPU_AXIS_NAMES": "data,model,fsdp"}
     assert mesh_from_env(env) == ["mesh.data=4", "mesh.tensor=4", "mesh.fsdp=2"]
     cfg = load_config(None, ["mesh.fsdp=1"], environ=env)
-    assert dataclasses.astuple(cfg.mesh) == (4, 1, 1, 1, 4, 1, 1)  # the command line wins over the environment
+    assert dataclasses.astuple(cfg.mesh) == (4, 1, 1, 1, 4, 1, 1, 1, 1)  # the command line wins over the environment
 
 
 def test_setup_guide_flags_map_to_keys():

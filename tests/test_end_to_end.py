@@ -46,7 +46,7 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert (run / "config.yaml").exists() and list(run.glob("events.out.tfevents.*"))
     assert (
-        "[podtrain] cpu: 8 x cpu, process 0/1, mesh data=8 fsdp=1 context=1 expert=1 tensor=1"
+        "[podtrain] cpu: 8 x cpu, process 0/1, mesh data=8 stage=1 fsdp=1 context=1 expert=1 tensor=1"
         in capsys.readouterr().out
     )
 

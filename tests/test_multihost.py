@@ -32,16 +32,22 @@ TESTS = Path(__file__).parent
 
 
 # One mesh over both processes: fsdp spans them (its all-gathers and reduce-scatters cross them)
-# and splits the batch with data. Or each process a slice (mesh.dcn_data=2): fsdp and tensor
-# inside each, data across. test_resume_on_another_process_count splits the batch by data alone.
+# and splits the batch with data. Or each process a slice: fsdp and tensor inside each, data
+# across (mesh.dcn_data=2), or each a pipeline stage (mesh.dcn_stage=2).
+# test_resume_on_another_process_count splits the batch by data alone.
+ONE_MESH = ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
+TWO_SLICES = ["mesh.dcn_data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+TWO_STAGES = ["mesh.dcn_stage=2", "mesh.data=1", "mesh.fsdp=4"]  # a pipeline stage per process
+
+
 @pytest.mark.parametrize(
     "nproc,per_proc,mesh,status",
     [
-        (2, 4, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"], "mesh data=1 fsdp=4 context=1 expert=1 tensor=2"),
-        (2, 4, ["mesh.dcn_data=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], "mesh data=2x1 fsdp=2 context=1 "
-         "expert=1 tensor=2 on 2 slices of 4 devices"),
+        (2, 4, ONE_MESH, "mesh data=1 stage=1 fsdp=4 context=1 expert=1 tensor=2"),
+        (2, 4, TWO_SLICES, "mesh data=2x1 stage=1 fsdp=2 context=1 expert=1 tensor=2 on 2 slices of 4 devices"),
+        (2, 4, TWO_STAGES, "mesh data=1 stage=2x1 fsdp=4 context=1 expert=1 tensor=1 on 2 slices of 4 devices"),
     ],
-)  # fmt: skip
+)
 def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh, status):
     run = tmp_path / "run"
     overrides = SMALL + [*mesh, "train.steps=3"]

@@ -197,6 +197,7 @@ def test_gpu_target_in_json():
     assert report["fits"] is True and report["devices"] == 1
     assert report["target"] == "h100" and report["mesh"] == {
         "data": 1,
+        "stage": 1,
         "fsdp": 1,
         "context": 1,
         "expert": 1,

@@ -52,7 +52,7 @@ def test_out_of_range_exits_2_naming_key_and_range(override, valid, tmp_path, ca
             "Config key `train.lr` in {path} must be a single value (a number, string or boolean), not `{{'a': 1}}`",
         ),
         ("seed: [1]", "Config key `seed` in {path} must be a single value"),
-        ("pipeline: {microbatches: 4}", "Unknown config section `pipeline` (as in `pipeline.microbatches`) in {path}"),
+        ("stages: {microbatches: 4}", "Unknown config section `stages` (as in `stages.microbatches`) in {path}"),
     ],
 )
 def test_wrong_structure_names_the_key(text, message, tmp_path, capsys):
@@ -66,7 +66,7 @@ def test_a_key_of_a_section_that_does_not_exist_lists_the_sections(capsys):
     assert main(["train", "foo.bar=1"]) == 2
     err = capsys.readouterr().err
     assert "Unknown config section `foo` (as in `foo.bar`) in the overrides; the sections are " in err
-    assert "checkpoint, data, distributed, log, mesh, model, train." in err and "single value" not in err
+    assert "checkpoint, data, distributed, log, mesh, model, pipeline, train." in err and "single value" not in err
 
 
 def test_range_bounds():

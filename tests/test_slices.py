@@ -24,7 +24,8 @@ def test_each_slice_holds_the_inner_axes():
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     # One process's 8 devices stand for 2 slices of 4: the first holds data 0-1, the second 2-3.
     assert set(ids[:2].ravel()) == {0, 1, 2, 3} and set(ids[2:].ravel()) == {4, 5, 6, 7}
-    assert describe(mesh, cfg.mesh) == "mesh data=2x2 fsdp=2 context=1 expert=1 tensor=1 on 2 slices of 4 devices"
+    described = "mesh data=2x2 stage=1 fsdp=2 context=1 expert=1 tensor=1 on 2 slices of 4 devices"
+    assert describe(mesh, cfg.mesh) == described
     with pytest.raises(MeshError, match="do not split evenly into 3 slices"):
         build_mesh(load_config(None, ["mesh.dcn_data=3"]).mesh, jax.devices())
     with pytest.raises(MeshError, match="needs 8 devices per slice but 4 are available"):

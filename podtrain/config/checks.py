@@ -95,6 +95,7 @@ def validate(cfg: Config) -> None:
             f"mesh.expert={cfg.mesh.expert} splits an MoE layer's experts evenly over its devices, and {having}; "
             "give mesh.expert a divisor of the experts, or put those devices on mesh.data."
         )
+    _check_pipeline(cfg)
     profile = t.profile_steps
     if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
         raise ConfigError(
@@ -118,6 +119,34 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ValueError:  # in sys.modules without a spec: blocked, as a test does to stand for its absence
         return False
+
+
+PIPELINED = ("llama", "mhc")  # the families whose one stack of layers runs as a pipeline
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Stages that cut the layers evenly, at least as many microbatches, each splitting evenly."""
+    if cfg.mesh.stage == 1 and cfg.mesh.dcn_stage == 1:
+        return
+    stages = max(cfg.mesh.stage, 1) * max(cfg.mesh.dcn_stage, 1)  # a -1 is checked against the devices
+    name, layers = cfg.model.name, getattr(cfg.model, "n_layers", 0)
+    if name not in PIPELINED or cfg.mesh.context != 1:
+        raise ConfigError(
+            f"mesh.stage={cfg.mesh.stage} (dcn_stage={cfg.mesh.dcn_stage}) pipelines the layers of "
+            f"{' or '.join(PIPELINED)} models with mesh.context=1; this is model.name={name}, mesh.context="
+            f"{cfg.mesh.context}. Put those devices on mesh.data or mesh.fsdp."
+        )
+    if layers % stages:
+        raise ConfigError(
+            f"model.n_layers={layers} does not cut evenly into {stages} pipeline stages (mesh.stage x "
+            f"mesh.dcn_stage); give a stage count that divides the layers."
+        )
+    micro, batch = cfg.pipeline.microbatches or stages, cfg.train.batch_size // cfg.train.grad_accum
+    if micro < stages or batch % micro:
+        raise ConfigError(
+            f"pipeline.microbatches={micro} must be at least the {stages} stages (else some stage idles every "
+            f"tick) and divide the microbatch of {batch} sequences (train.batch_size / train.grad_accum)."
+        )
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:

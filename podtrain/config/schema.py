@@ -129,6 +129,12 @@ class MeshConfig:
         "-1 or >= 1",
     )
     tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
+    stage: int = key(
+        1,
+        "devices that each hold a consecutive stage of the layers (pipeline parallelism, `pipeline.*`); outside "
+        "the layer stack they split the batch, as data does",
+        "-1 or >= 1",
+    )
     dcn_data: int = key(
         1,
         "slices (TPU slices; off a TPU, processes) that split the batch across the data-centre network, each "
@@ -137,6 +143,18 @@ class MeshConfig:
     )
     dcn_fsdp: int = key(
         1, "slices that split the params, gradients and optimizer state across the network", "-1 or >= 1"
+    )
+    dcn_stage: int = key(1, "slices that each hold consecutive pipeline stages, across the network", "-1 or >= 1")
+
+
+@dataclass
+class PipelineConfig:
+    """How a layer stack runs over `mesh.stage` x `mesh.dcn_stage` stages (GPipe)."""
+
+    microbatches: int = key(
+        0,
+        "microbatches the batch (each grad_accum microbatch) flows through the stages in; 0: as many as stages",
+        ">= 0",
     )
 
 
@@ -236,6 +254,7 @@ class DistributedConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)  # the family's config, by model.name
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)  # the task's, by the family's task
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models import fused_mlp
-from podtrain.sharding import constrain
+from podtrain.models.pipeline import pipelined
+from podtrain.sharding import constrain, stages
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -290,8 +291,8 @@ REMAT_POLICIES = {
 
 
 def scan_layers(
-    layers: nnx.Module, x: jax.Array, *args, per_layer: tuple = (), remat: str = "none", unroll: int | str = 1
-) -> tuple[jax.Array, Any]:
+    layers: nnx.Module, x, *args, per_layer: tuple = (), remat: str = "none", unroll: int | str = 1
+) -> tuple[Any, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
     Returns x and the layers' reports, stacked (layers, ...): a layer class with `reports = True`
@@ -299,18 +300,27 @@ def scan_layers(
 
     Compile time stays independent of depth; `remat` trades recomputation for activation memory.
     `unroll` layers per iteration; `auto` that no runtime resolved (a model built by hand) scans.
+    On a mesh with a `stage` axis the stack runs as a pipeline (`models.pipeline`); every one of
+    `args` is then per example (batch, ...), or None.
     """
     graphdef, state = nnx.split(layers)
 
-    def body(h, layer):
-        layer_state, own = layer
-        module = nnx.merge(graphdef, layer_state)
-        out = module(h, *args, *own)
-        return out if getattr(module, "reports", False) else (out, None)
+    def run(state, h, args, per_layer):
+        def body(h, layer):
+            layer_state, own = layer
+            module = nnx.merge(graphdef, layer_state)
+            out = module(h, *args, *own)
+            return out if getattr(module, "reports", False) else (out, None)
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, (state, per_layer), unroll=1 if unroll == "auto" else unroll)
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+        return jax.lax.scan(body, h, (state, per_layer), unroll=1 if unroll == "auto" else unroll)
+
+    n_stages, microbatches = stages()
+    if n_stages == 1 or jax.tree.leaves(x)[0].shape[0] % microbatches:  # a batch too small (a prompt): no pipeline
+        return run(state, x, args, per_layer)
+    outputs = pipelined(lambda *stage: run(*stage)[0], state, x, args, per_layer, n_stages, microbatches)
+    return outputs, None
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:

@@ -26,7 +26,7 @@ from podtrain.models.layers import (
     stacked,
 )
 from podtrain.models.llama_config import LlamaConfig
-from podtrain.sharding import constrain, context_order
+from podtrain.sharding import constrain, context_order, stages
 from podtrain.train.tasks.language import LanguageTask
 
 
@@ -152,6 +152,8 @@ class Llama(nnx.Module):
                 tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape)
             )
             return table, x[:, np.argsort(order)], aux
+        if positions is None and stages()[0] > 1:  # in a pipeline every input of the layers is per example
+            positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
         x, reports = self.widen(self.embedded(table, tokens)), []

@@ -11,7 +11,8 @@ per iteration), and the step time from a roofline over the chip's constants (`ru
     memory   = bytes each operation reads and writes / HBM bandwidth     (a fusion's insides stay on chip)
     network  = ring bytes of every collective / link bandwidth   (all-reduce 2(n-1)/n of its size,
                all-gather, reduce-scatter and all-to-all (n-1)/n, a permute all of it)
-    step     = max(compute, memory, network)   (XLA overlaps collectives with compute)
+    dcn      = bytes sent to other slices or hosts / their network bandwidth   (`planning.network`)
+    step     = max(compute, memory, network, dcn)   (XLA overlaps collectives with compute)
 
 MFU is the model's FLOPs (6N + 12LdT per token, T the keys a causal query sees: (seq + 1) / 2;
 `models.flops_per_token`) over the step at peak:
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from podtrain.config.checks import resolve_auto
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
-from podtrain.planning import cost, fit, hlo
+from podtrain.planning import cost, fit, hlo, network
 from podtrain.planning.targets import Target
 from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import DCN_AXES, build_mesh, factorizations, resolve_shape, slices
@@ -34,7 +35,6 @@ from podtrain.sharding import AXES
 from podtrain.train.job import build
 
 TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`
-RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
 
 
 @dataclass
@@ -71,32 +71,16 @@ class Plan:
         return self.tokens_per_step / self.step_time if self.step_time else None
 
     @property
+    def bubble(self) -> float:
+        """The share of a pipelined step its stages idle: (S - 1) / (M + S - 1). In the one SPMD
+        program idle stages compute on placeholders, so the compiled FLOPs already hold it."""
+        stages = self.mesh["stage"]
+        return (stages - 1) / ((self.cfg.pipeline.microbatches or stages) + stages - 1)
+
+    @property
     def mfu(self) -> float | None:
         peak = self.target.chip.peak_flops * len(self.target.devices)
         return self.flops_per_step / self.step_time / peak if self.step_time else None
-
-
-def network_bytes(found: list[hlo.Collective]) -> float:
-    """Bytes one device sends per step over its links, each collective as a ring over its group."""
-    total = 0.0
-    for c in found:
-        n = c.group_size or 2
-        total += c.total_bytes * (RING[c.kind] * (n - 1) / n if c.kind in RING else 1.0)
-    return total
-
-
-def dcn_bytes(found: list[hlo.Collective], slice_of: list[int]) -> float:
-    """Bytes one device sends per step to other hosts in collectives that span them (a GPU
-    program's; a TPU program's cross only through `hlo.megascale_sends`). A collective over g
-    devices on d hosts runs host by host: within each over its links, then across them on a g/d-th
-    of its bytes per device, a ring over d hosts: RING x (d - 1) / g of them."""
-    total = 0.0
-    for c in found:
-        ids = hlo.group(c)
-        d = len({slice_of[i] for i in ids})
-        if d > 1:
-            total += c.total_bytes * (RING[c.kind] * (d - 1) / len(ids) if c.kind in RING else 1.0)
-    return total
 
 
 def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: float, found: list, dcn: float) -> dict:
@@ -106,7 +90,7 @@ def _roofline(target: Target, matmul_flops: float, model_flops: float, traffic: 
         # the model's share of FLOPs per device is the floor.
         "compute": max(matmul_flops, model_flops / len(target.devices)) / chip.peak_flops,
         "memory": traffic / chip.hbm_bandwidth,
-        "network": network_bytes(found) / chip.link_bandwidth,
+        "network": network.link_bytes(found) / chip.link_bandwidth,
         **({"dcn": dcn / chip.dcn_bandwidth} if target.slices > 1 else {}),
     }
     return {**times, "step": max(times.values())}
@@ -153,7 +137,9 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         result.traffic = float(sum(o.bytes for o in ops))
         result.top_bytes, result.top_flops = cost.top(ops, TOP_KEPT, "bytes"), cost.top(ops, TOP_KEPT, "flops")
         slice_index = {d.id: k for k, group in enumerate(slices(target.devices)) for d in group}
-        result.dcn = hlo.megascale_sends(text) + dcn_bytes(found, [slice_index[d.id] for d in mesh.devices.flat])
+        result.dcn = hlo.megascale_sends(text) + network.across_hosts(
+            found, [slice_index[d.id] for d in mesh.devices.flat]
+        )
         result.times = _roofline(target, result.matmul_flops, job.flops_per_step, result.traffic, found, result.dcn)
     if remedy and not memory.fits:
         result.remedy, result.remedy_plan = fit.smallest_fix(
@@ -170,11 +156,11 @@ def _cost_flops(compiled) -> float | None:
 
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
     """Every mesh whose product is the device count, under each remat policy: its plan, or why the
-    model cannot take it; fitting plans first, fastest first. The context and expert axes are
-    tried only where the config uses them (other than 1); else they stay 1. Over several slices,
+    model cannot take it; fitting plans first, fastest first. The stage, context and expert axes
+    are tried only where the config uses them (other than 1); else they stay 1. Over several slices,
     each split of them between the dcn axes too."""
     rows, per_slice = [], len(target.devices) // target.slices
-    tried = [a for a in AXES if a not in ("context", "expert") or getattr(cfg.mesh, a) != 1]
+    tried = [a for a in AXES if a not in ("stage", "context", "expert") or getattr(cfg.mesh, a) != 1]
     meshes = [
         {f"mesh.{a}": 1 for a in AXES}
         | {f"mesh.{a}": s for a, s in zip(tried, sizes)}
@@ -228,6 +214,7 @@ def as_json(p: Plan, top: int = 0) -> dict:
         "collective_bytes_per_device": p.collectives,
         "collective_bytes_by_mesh_axes": p.axes_bytes,
         "slices": p.target.slices,
+        "pipeline_bubble": p.bubble,
         "dcn_bytes_per_device": p.dcn,
         "times_s": p.times,
         "step_time_s": p.step_time,
@@ -304,6 +291,15 @@ def report(p: Plan, top: int = 0) -> str:
                 f"{p.target.chip.dcn_bandwidth / 1e9:g} GB/s per device: {p.times.get('dcn', 0) * 1e3:,.1f} ms"
             ]
             if p.target.slices > 1 and p.dcn is not None
+            else []
+        ),
+        *(
+            [
+                f"pipeline    {p.mesh['stage']} stages, {p.cfg.pipeline.microbatches or p.mesh['stage']} microbatches: "
+                f"bubble {p.bubble:.1%} of the step; stage hand-offs "
+                f"{p.collectives.get('collective-permute', 0) / 2**20:,.1f} MiB per device per step"
+            ]
+            if p.mesh["stage"] > 1
             else []
         ),
         f"speed       {_speed(p)}",

@@ -1,4 +1,4 @@
-"""The named mesh `data x fsdp x context x expert x tensor`, inside a slice and across slices: its shape
+"""The named mesh `data x stage x fsdp x context x expert x tensor`, inside a slice and across slices: its shape
 resolved and checked against the devices.
 
 What each axis shards is `podtrain.sharding`'s business; this module only builds the mesh."""
@@ -24,7 +24,7 @@ def factorizations(n: int, axes: int = 3) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(n, 0, -1) if n % d == 0 for rest in factorizations(n // d, axes - 1)]
 
 
-DCN_AXES = ("data", "fsdp")  # the axes that may also span slices: mesh.dcn_data, mesh.dcn_fsdp
+DCN_AXES = ("data", "stage", "fsdp")  # the axes that may also span slices: mesh.dcn_data, ...
 
 
 def _resolve(sizes: dict[str, int], n: int, what: str, keys: str) -> dict[str, int]:

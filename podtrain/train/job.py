@@ -83,10 +83,12 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     after = family(cfg.model).after_step
     after_step = None if after is None else functools.partial(after, cfg.model)
-    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step)
+    microbatches = cfg.pipeline.microbatches
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, microbatches)
     eval_step = sharded_jit(
         lambda params, batch: task.eval_fn(fns.module(params), batch),
         mesh,
+        microbatches,
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions

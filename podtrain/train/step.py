@@ -14,7 +14,14 @@ from podtrain.train.state import TrainSetup
 
 
 def make_train_step(
-    setup: TrainSetup, cfg_train, mesh: Mesh, loss_fn, abstract_state: dict, seed: int = 0, after_step=None
+    setup: TrainSetup,
+    cfg_train,
+    mesh: Mesh,
+    loss_fn,
+    abstract_state: dict,
+    seed: int = 0,
+    after_step=None,
+    microbatches: int = 0,
 ):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
@@ -74,6 +81,7 @@ def make_train_step(
         in_shardings=(state_shardings, batch_sharding(mesh, leading=1)),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
+        microbatches=microbatches,
     )
 
 
