@@ -129,13 +129,14 @@ def test_wrong_type_names_the_key():
 def test_mesh_minus_one_takes_the_rest():
     assert resolve_shape(MeshConfig(data=-1, fsdp=2, tensor=2), 8) == {
         "data": 2,
+        "stage": 1,
         "fsdp": 2,
         "context": 1,
         "expert": 1,
         "tensor": 2,
     }
-    assert tuple(resolve_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8).values()) == (1, 8, 1, 1, 1)
-    assert tuple(resolve_shape(MeshConfig(data=2, context=-1, tensor=2), 16).values()) == (2, 1, 4, 1, 2)
+    assert tuple(resolve_shape(MeshConfig(data=1, fsdp=-1, tensor=1), 8).values()) == (1, 1, 8, 1, 1, 1)
+    assert tuple(resolve_shape(MeshConfig(data=2, context=-1, tensor=2), 16).values()) == (2, 1, 1, 4, 1, 2)
     with pytest.raises(MeshError, match="8 devices cannot"):
         resolve_shape(MeshConfig(data=-1, fsdp=3, tensor=1), 8)
     with pytest.raises(MeshError, match="needs 6 devices but 8"):

@@ -126,8 +126,9 @@ def test_rules_shard_params_and_activations():
     mesh = build_mesh(cfg.mesh, jax.devices())
     fns = model_fns(cfg, mesh)
     layers = fns.abstract_params["layers"]
-    assert layers["attn"]["wq"].sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
-    assert layers["mlp"]["w_down"].sharding.spec == PartitionSpec(None, "tensor", "fsdp")
+    # The stacked layers' axis is on `stage` (of 1 device here: the pipeline's stages).
+    assert layers["attn"]["wq"].sharding.spec == PartitionSpec("stage", "fsdp", "tensor", None)
+    assert layers["mlp"]["w_down"].sharding.spec == PartitionSpec("stage", "tensor", "fsdp")
     assert fns.abstract_params["embed"].sharding.spec == PartitionSpec("tensor", "fsdp")
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), np.int32)
     logits = sharded_jit(fns.apply, mesh).lower(fns.abstract_params, tokens).compile().output_shardings

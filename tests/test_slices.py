@@ -20,7 +20,7 @@ ACROSS = ["mesh.dcn_data=2", "mesh.data=2", "mesh.fsdp=2"]  # 8 devices: 2 slice
 def test_each_slice_holds_the_inner_axes():
     cfg = load_config(None, SMALL + ACROSS)
     mesh = build_mesh(cfg.mesh, jax.devices())
-    assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 1}
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     # One process's 8 devices stand for 2 slices of 4: the first holds data 0-1, the second 2-3.
     assert set(ids[:2].ravel()) == {0, 1, 2, 3} and set(ids[2:].ravel()) == {4, 5, 6, 7}
