@@ -119,7 +119,7 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     result = Plan(
         target,
         cfg,
-        resolve_shape(cfg.mesh, n, len(slices(target.devices))),
+        resolve_shape(cfg.mesh, n, target.slices),
         memory,
         job.tokens_per_step,
         job.flops_per_step,
