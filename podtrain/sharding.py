@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -52,7 +53,18 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 _TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("podtrain_tracing_mesh", default=None)
-_MICROBATCHES: contextvars.ContextVar[int] = contextvars.ContextVar("podtrain_pipeline_microbatches", default=0)
+
+
+class Pipeline(NamedTuple):
+    """How a layer stack over the mesh's `stage` axis runs (`models.pipeline`): in `microbatches`
+    (0: as many as stages), going round the stages `repeats` times (1: GPipe; more: circular)."""
+
+    microbatches: int = 0
+    repeats: int = 1
+
+
+GPIPE = Pipeline()  # as many microbatches as stages, one lap
+_PIPELINE: contextvars.ContextVar[Pipeline] = contextvars.ContextVar("podtrain_pipeline", default=GPIPE)
 _TAKEN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("podtrain_taken_axes", default=frozenset())
 
 
@@ -112,19 +124,19 @@ TPU_COMPILER_OPTIONS = {
 }
 
 
-def sharded_jit(fn, mesh: Mesh, microbatches: int = 0, **jit_kwargs):
+def sharded_jit(fn, mesh: Mesh, pipeline: Pipeline = GPIPE, **jit_kwargs):
     """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply
-    (and a layer stack over `stage` pipelined in `microbatches`, 0: as many as stages); on TPU
-    compiled with `TPU_COMPILER_OPTIONS`."""
+    (and a layer stack over `stage` runs as `pipeline` says); on TPU compiled with
+    `TPU_COMPILER_OPTIONS`."""
 
     @functools.wraps(fn)
     def on_mesh(*args, **kwargs):
-        tokens = _TRACING_MESH.set(mesh), _MICROBATCHES.set(microbatches)
+        tokens = _TRACING_MESH.set(mesh), _PIPELINE.set(pipeline)
         try:
             return fn(*args, **kwargs)
         finally:
             _TRACING_MESH.reset(tokens[0])
-            _MICROBATCHES.reset(tokens[1])
+            _PIPELINE.reset(tokens[1])
 
     if mesh.devices.flat[0].platform == "tpu":
         jit_kwargs.setdefault("compiler_options", TPU_COMPILER_OPTIONS)
@@ -157,12 +169,14 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
     return run
 
 
-def stages() -> tuple[int, int]:
-    """(pipeline stages, microbatches) of the function being traced: the mesh's `stage` size and
-    the microbatches asked for (as many as stages if none were); (1, 1) outside `sharded_jit`."""
+def stages() -> tuple[int, Pipeline]:
+    """(pipeline stages, how they run) of the function being traced: the mesh's `stage` size and
+    its `Pipeline`, microbatches resolved (as many as stages if none were asked for); (1, 1 and 1)
+    outside `sharded_jit`."""
     mesh = _TRACING_MESH.get()
     n = 1 if mesh is None else mesh.shape["stage"]
-    return n, (_MICROBATCHES.get() or n) if n > 1 else 1
+    pipeline = _PIPELINE.get()
+    return (n, pipeline._replace(microbatches=pipeline.microbatches or n)) if n > 1 else (1, Pipeline(1, 1))
 
 
 @contextlib.contextmanager

@@ -125,7 +125,7 @@ PIPELINED = ("llama", "mhc")  # the families whose one stack of layers runs as a
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """Stages that cut the layers evenly, at least as many microbatches, each splitting evenly."""
+    """Stages (x repeats) that cut the layers evenly, at least as many microbatches, each splitting evenly."""
     if cfg.mesh.stage == 1 and cfg.mesh.dcn_stage == 1:
         return
     stages = max(cfg.mesh.stage, 1) * max(cfg.mesh.dcn_stage, 1)  # a -1 is checked against the devices
@@ -136,10 +136,16 @@ def _check_pipeline(cfg: Config) -> None:
             f"{' or '.join(PIPELINED)} models with mesh.context=1; this is model.name={name}, mesh.context="
             f"{cfg.mesh.context}. Put those devices on mesh.data or mesh.fsdp."
         )
-    if layers % stages:
+    repeats, circular = cfg.pipeline.repeats, cfg.pipeline.schedule == "circular"
+    if circular != (repeats > 1):
+        raise ConfigError(
+            f"pipeline.schedule={cfg.pipeline.schedule} with pipeline.repeats={repeats}: the circular schedule "
+            "goes round the stages 2 or more times (set pipeline.repeats), gpipe once (pipeline.repeats=1)."
+        )
+    if layers % (stages * repeats):
         raise ConfigError(
             f"model.n_layers={layers} does not cut evenly into {stages} pipeline stages (mesh.stage x "
-            f"mesh.dcn_stage); give a stage count that divides the layers."
+            f"mesh.dcn_stage) x {repeats} pipeline.repeats; give sizes whose product divides the layers."
         )
     micro, batch = cfg.pipeline.microbatches or stages, cfg.train.batch_size // cfg.train.grad_accum
     if micro < stages or batch % micro:

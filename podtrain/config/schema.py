@@ -149,13 +149,21 @@ class MeshConfig:
 
 @dataclass
 class PipelineConfig:
-    """How a layer stack runs over `mesh.stage` x `mesh.dcn_stage` stages (GPipe)."""
+    """How a layer stack runs over `mesh.stage` x `mesh.dcn_stage` stages."""
 
     microbatches: int = key(
         0,
         "microbatches the batch (each grad_accum microbatch) flows through the stages in; 0: as many as stages",
         ">= 0",
     )
+    schedule: Literal["gpipe", "circular"] = key(
+        "gpipe",
+        "gpipe: each stage holds consecutive layers, every microbatch passes each stage once; circular: the layers "
+        "cut into stages x repeats pieces, stage s holding pieces s, s + stages, ..., so every microbatch goes round "
+        "the stages `repeats` times: a bubble of (stages - 1) / (repeats x microbatches + stages - 1), for one "
+        "regrouping of the stacked weights along `stage` per step",
+    )
+    repeats: int = key(1, "laps of the circular schedule round the stages (1 with gpipe)", ">= 1")
 
 
 @dataclass

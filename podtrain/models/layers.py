@@ -316,10 +316,11 @@ def scan_layers(
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
         return jax.lax.scan(body, h, (state, per_layer), unroll=1 if unroll == "auto" else unroll)
 
-    n_stages, microbatches = stages()
-    if n_stages == 1 or jax.tree.leaves(x)[0].shape[0] % microbatches:  # a batch too small (a prompt): no pipeline
+    n_stages, pipeline = stages()
+    if n_stages == 1 or jax.tree.leaves(x)[0].shape[0] % pipeline.microbatches:  # a prompt: no pipeline
         return run(state, x, args, per_layer)
-    outputs = pipelined(lambda *stage: run(*stage)[0], state, x, args, per_layer, n_stages, microbatches)
+    names = nnx.get_partition_spec(state)
+    outputs = pipelined(lambda *stage: run(*stage)[0], state, names, x, args, per_layer, n_stages, pipeline)
     return outputs, None
 
 

@@ -1,13 +1,21 @@
-"""A stack of layers as a pipeline over the mesh's `stage` axis (GPipe, Huang et al. 2019).
+"""A stack of layers as a pipeline over the mesh's `stage` axis: GPipe (Huang et al. 2019) and the
+circular schedule (Narayanan et al. 2021's interleaved stages, MaxText's `num_pipeline_repeats`).
 
-The stack's L layers are cut into S consecutive stages of L/S, one per stage shard (its params
-split over `stage` along their `layers` axis), and the batch into M microbatches. For M + S - 1
-ticks, every stage runs its layers on the microbatch it holds, all at once (a vmap over stages
-that XLA partitions over `stage`), then hands its output on to the next (a roll along the
-stage axis: a collective permute). The first stage takes the next microbatch, the last gives
-its result; its idle ticks are the bubble, (S - 1) / (M + S - 1) of the time. Autodiff runs the
-same schedule backwards. Everything else the layers read per example (positions, segment ids,
-RoPE tables) travels with its microbatch.
+The stack's L layers are cut into S x R pieces of L/(S R) and piece j is run by stage j mod S:
+with R = 1 (GPipe) each stage holds consecutive layers, with R > 1 (circular) stage s holds
+pieces s, s + S, ... The batch is cut into M >= S microbatches. Work item k = r M + m is
+microbatch m on its lap r round the stages. At tick t stage s runs item t - s on piece r S + s,
+all stages at once (a vmap over stages that XLA partitions over `stage`), then hands its output
+on to the next (a roll along the stage axis: a collective permute). The first stage takes a fresh
+microbatch on lap 0 and the last stage's output of the previous lap after (it was ready M - S + 1
+ticks before); the last stage's output of lap R - 1 is the result. R M + S - 1 ticks, of which
+each stage idles S - 1: the bubble, (S - 1) / (R M + S - 1). Autodiff runs the same schedule
+backwards. Everything the layers read per example (positions, segment ids, RoPE tables) travels
+with its microbatch.
+
+The params keep one layout, consecutive layers per stage shard, whatever the schedule (so a
+checkpoint restores onto any mesh); the circular schedule regroups them into its pieces once per
+step, an all-to-all along `stage` of (R - 1) / R of each stage's weights, and its gradients back.
 """
 
 from __future__ import annotations
@@ -17,18 +25,21 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from podtrain.sharding import constrain, per_stage
+from podtrain.sharding import Pipeline, constrain, per_stage
 
 
-def pipelined(run_stage: Callable, state, x, per_example: tuple, per_layer: tuple, stages: int, microbatches: int):
-    """run_stage(stage's state, h, per_example, stage's per_layer) -> h over S stages and M microbatches.
+def pipelined(
+    run_stage: Callable, state, names, x, per_example: tuple, per_layer: tuple, stages: int, pipeline: Pipeline
+):
+    """run_stage(stage's state, h, per_example, stage's per_layer) -> h over `stages` as `pipeline` says.
 
-    state and per_layer are trees of (layers, ...) arrays; x and per_example of (batch, ...) ones
+    state and per_layer are trees of (layers, ...) arrays, `names` the logical axis names of each of
+    state's leaves (a tree of tuples like it); x and per_example are trees of (batch, ...) arrays
     (None allowed)."""
-    s, m = stages, microbatches
+    s, m, r = stages, pipeline.microbatches, pipeline.repeats
 
-    def cut(a):  # (layers, ...) -> (stages, layers per stage, ...)
-        return a.reshape(s, a.shape[0] // s, *a.shape[1:])
+    def cut(a):  # (layers, ...) -> (stages, repeats, layers per piece, ...): piece j = repeat x stages + stage
+        return a.reshape(r, s, a.shape[0] // (s * r), *a.shape[1:]).swapaxes(0, 1)
 
     def split(a):  # (batch, ...) -> (microbatches, batch per microbatch, ...)
         return a.reshape(m, a.shape[0] // m, *a.shape[1:])
@@ -36,24 +47,33 @@ def pipelined(run_stage: Callable, state, x, per_example: tuple, per_layer: tupl
     def staged(tree):  # pin the leading axis to the stages, the next to the batch
         return jax.tree.map(lambda a: constrain(a, ("layers", "act_batch", *(None,) * (a.ndim - 2))), tree)
 
-    state, per_layer = jax.tree.map(cut, (state, per_layer))
+    # Each stage's pieces on its stage shard, each weight otherwise split as the params are.
+    state = jax.tree.map(lambda a, n: constrain(cut(a), ("layers", None, None, *n[1:])), state, names)
+    per_layer = jax.tree.map(cut, per_layer)
     xs, examples = jax.tree.map(split, (x, per_example))
     buffer = jax.tree.map(lambda a: jnp.zeros((s, *a.shape[1:]), a.dtype), xs)
-    outputs = jax.tree.map(jnp.zeros_like, xs)
-    run = jax.vmap(run_stage, spmd_axis_name="stage")
+    outputs = jax.tree.map(jnp.zeros_like, xs)  # the last stage's latest output of each microbatch
 
-    def tick(carry, i):
+    def run_piece(state, lap, h, examples, per_layer):  # one stage: its piece of this lap
+        state, per_layer = jax.tree.map(lambda a: a[0] if r == 1 else a[lap], (state, per_layer))
+        return run_stage(state, h, examples, per_layer)
+
+    run = jax.vmap(run_piece, spmd_axis_name="stage")
+
+    def tick(carry, t):
         buffer, outputs = carry
-        taken = jnp.minimum(i, m - 1)  # after the last, a copy of it that never reaches the end
-        buffer = staged(jax.tree.map(lambda b, a: b.at[0].set(a[taken]), buffer, xs))
-        held = jnp.clip(i - jnp.arange(s), 0, m - 1)  # the microbatch in each stage
+        item = t - jnp.arange(s)  # each stage's work item; outside [0, R M) a placeholder never kept
+        kept = (item >= 0) & (item < r * m)
+        item = jnp.clip(item, 0, r * m - 1)
+        micro, lap = item % m, item // m
+        first = jax.tree.map(lambda a, o: jnp.where(lap[0] == 0, a[micro[0]], o[micro[0]]), xs, outputs)
+        buffer = staged(jax.tree.map(lambda b, a: b.at[0].set(a), buffer, first))
         with per_stage():
-            out = run(state, buffer, jax.tree.map(lambda a: a[held], examples), per_layer)
+            out = run(state, lap, buffer, jax.tree.map(lambda a: a[micro], examples), per_layer)
         out = staged(out)
-        done = i - (s - 1)  # the microbatch leaving the last stage, if any yet
-        slot = jnp.maximum(done, 0)
-        outputs = jax.tree.map(lambda o, y: o.at[slot].set(jnp.where(done >= 0, y[-1], o[slot])), outputs, out)
+        last = micro[-1]
+        outputs = jax.tree.map(lambda o, y: o.at[last].set(jnp.where(kept[-1], y[-1], o[last])), outputs, out)
         return (jax.tree.map(lambda y: jnp.roll(y, 1, axis=0), out), outputs), None
 
-    (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(m + s - 1))
+    (_, outputs), _ = jax.lax.scan(tick, (buffer, outputs), jnp.arange(r * m + s - 1))
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outputs)

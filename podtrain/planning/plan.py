@@ -72,10 +72,10 @@ class Plan:
 
     @property
     def bubble(self) -> float:
-        """The share of a pipelined step its stages idle: (S - 1) / (M + S - 1). In the one SPMD
+        """The share of a pipelined step its stages idle: (S - 1) / (R M + S - 1). In the one SPMD
         program idle stages compute on placeholders, so the compiled FLOPs already hold it."""
-        stages = self.mesh["stage"]
-        return (stages - 1) / ((self.cfg.pipeline.microbatches or stages) + stages - 1)
+        stages, pipeline = self.mesh["stage"], self.cfg.pipeline
+        return (stages - 1) / (pipeline.repeats * (pipeline.microbatches or stages) + stages - 1)
 
     @property
     def mfu(self) -> float | None:
@@ -233,6 +233,18 @@ def as_json(p: Plan, top: int = 0) -> dict:
     return out
 
 
+def _hand_offs(p: Plan) -> str:
+    if p.target.slices > 1 and p.cfg.mesh.dcn_stage != 1:  # the TPU's compiler makes them host transfers
+        return "between slices, on the dcn line"
+    return f"{p.collectives.get('collective-permute', 0) / 2**20:,.1f} MiB per device per step"
+
+
+def _schedule(p: Plan) -> str:
+    pipeline = p.cfg.pipeline
+    laps = f", circular, {pipeline.repeats} laps" if pipeline.repeats > 1 else ", gpipe"
+    return f"{p.mesh['stage']} stages, {pipeline.microbatches or p.mesh['stage']} microbatches{laps}"
+
+
 def _speed(p: Plan) -> str:
     if not p.step_time:
         return "no prediction (not compiled: it does not fit)"
@@ -294,11 +306,7 @@ def report(p: Plan, top: int = 0) -> str:
             else []
         ),
         *(
-            [
-                f"pipeline    {p.mesh['stage']} stages, {p.cfg.pipeline.microbatches or p.mesh['stage']} microbatches: "
-                f"bubble {p.bubble:.1%} of the step; stage hand-offs "
-                f"{p.collectives.get('collective-permute', 0) / 2**20:,.1f} MiB per device per step"
-            ]
+            [f"pipeline    {_schedule(p)}: bubble {p.bubble:.1%} of the step; stage hand-offs {_hand_offs(p)}"]
             if p.mesh["stage"] > 1
             else []
         ),

@@ -16,7 +16,7 @@ import jax
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS, family
-from podtrain.sharding import batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
+from podtrain.sharding import Pipeline, batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
 from podtrain.train.digest import leaf_name
 from podtrain.train.state import TrainSetup, init_state, train_setup
 from podtrain.train.step import make_train_step, mean_over_batches
@@ -83,12 +83,12 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     after = family(cfg.model).after_step
     after_step = None if after is None else functools.partial(after, cfg.model)
-    microbatches = cfg.pipeline.microbatches
-    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, microbatches)
+    pipeline = Pipeline(cfg.pipeline.microbatches, cfg.pipeline.repeats)
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, pipeline)
     eval_step = sharded_jit(
         lambda params, batch: task.eval_fn(fns.module(params), batch),
         mesh,
-        microbatches,
+        pipeline,
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions

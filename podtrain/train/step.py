@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from podtrain.sharding import batch_sharding, sharded_jit, shardings_of
+from podtrain.sharding import GPIPE, Pipeline, batch_sharding, sharded_jit, shardings_of
 from podtrain.train import optim
 from podtrain.train.state import TrainSetup
 
@@ -21,7 +21,7 @@ def make_train_step(
     abstract_state: dict,
     seed: int = 0,
     after_step=None,
-    microbatches: int = 0,
+    pipeline: Pipeline = GPIPE,
 ):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
@@ -81,7 +81,7 @@ def make_train_step(
         in_shardings=(state_shardings, batch_sharding(mesh, leading=1)),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
-        microbatches=microbatches,
+        pipeline=pipeline,
     )
 
 
