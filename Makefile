@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint format docs clean
+.PHONY: train test test-recipes lint format docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# The shipped recipes trained or planned at their shipped size: what they promise (learning,
+# fitting) rather than how the code works, minutes each. CI runs them after `make test`.
+test-recipes: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) -m recipe
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check podtrain tests bench

@@ -1,7 +1,11 @@
 """Mixture of experts: the routed layer against a plain loop over experts, the routers, the
 balancing loss against transformers', and the family training."""
 
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ from podtrain.models.experts import (
 from podtrain.runtime.mesh import build_mesh, resolve_shape
 from podtrain.sharding import logical_sharding, sharded_jit
 from podtrain.train.job import build
+from podtrain.train.metrics import read_metrics
 from podtrain.train.state import model_fns
 from podtrain.train.tasks.language import next_token_loss
 
@@ -278,3 +283,29 @@ def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
     assert loads[0] > 1.9 and np.mean(loads[-4:]) < 1.6, loads
     assert "expert_loads" not in metrics
     assert (np.asarray(state["params"]["layers"]["mlp"]["router_bias"])[:, 0] < 0.05).all()
+
+
+@pytest.mark.recipe
+def test_moe_tiny_beats_tiny_at_the_same_steps_and_weights_per_token(tmp_path):
+    """configs/moe_tiny.yaml against configs/tiny.yaml as shipped (200 steps, same data and seed, 2
+    experts of half the dense MLP's width per token), each as a user runs it: the MoE's held-out
+    loss at the last evaluation is lower (1.635 against 1.641 when measured; bench/moe_vs_dense.py)."""
+    configs = Path(__file__).parent.parent / "configs"
+    runs = {name: tmp_path / name for name in ("tiny", "moe_tiny")}
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "podtrain", "train", str(configs / f"{name}.yaml"), f"run_dir={run}"],
+            env={**os.environ, "XLA_FLAGS": ""},  # one device, compiled optimised
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, run in runs.items()
+    ]
+    for process in started:
+        _, err = process.communicate(timeout=1200)
+        assert process.returncode == 0, err[-2000:]
+    last = {name: [r for r in read_metrics(run) if "val_loss" in r][-1] for name, run in runs.items()}
+    print({name: (r["step"], r["val_loss"]) for name, r in last.items()})
+    assert last["tiny"]["step"] == last["moe_tiny"]["step"] == 200
+    assert last["moe_tiny"]["val_loss"] < last["tiny"]["val_loss"]

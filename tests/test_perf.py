@@ -23,6 +23,7 @@ from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.tasks import language as lm
 
+from compile_flags import TEST_COMPILES
 from helpers import LANGUAGE_FAMILIES
 
 ROOT = Path(__file__).parent.parent
@@ -146,7 +147,7 @@ def test_throughput_bench_runs_tiny():
     repeat whose rates are positive and whose printed ratio is reference time / podtrain time, that
     is podtrain's tokens/s over the reference's (to the rounding of the printed numbers); min,
     median and max of one repeat are that ratio, printed once."""
-    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user has, not the tests' eight
+    env = {**os.environ, "XLA_FLAGS": TEST_COMPILES}  # one CPU device, not the tests' eight
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "throughput.py"), "--tiny"],
         capture_output=True,

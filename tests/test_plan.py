@@ -178,6 +178,7 @@ def test_bad_targets_exit_2():
     assert mismatch.returncode == 2 and "needs 4 devices but 8 are available" in mismatch.stderr
 
 
+@pytest.mark.recipe
 @needs_cuda_compiler
 def test_the_1b_recipe_is_planned_for_an_h100_as_its_compiler_allocates():
     """`plan --target h100` compiles for the card with no GPU here. The 1B recipe's step, which
@@ -252,6 +253,7 @@ def test_tpu_compile_counts_the_same_flops_as_cpu():
     assert tpu.target.chip.name == "TPU v5e" and tpu.fits
 
 
+@pytest.mark.recipe
 @needs_libtpu
 def test_7b_recipe_fits_v4_32():
     out = _cli(str(CONFIGS / "llama_7b.yaml"), "--target", "v4-32", "--json")
