@@ -46,11 +46,14 @@ def small_overrides():
 # busy while the other waits.
 SLOWEST_FIRST = (
     "test_plan.py",
-    "test_reasoning.py",
     "test_multihost.py",
-    "test_pipeline.py",
     "test_context.py",
     "test_mhc.py",
+    "test_hf_families.py",
+    "test_perf.py",
+    "test_moe.py",
+    "test_reasoning.py",
+    "test_pipeline.py",
 )
 
 

@@ -6,6 +6,7 @@ import re
 
 from podtrain.cli import main
 
+from compile_flags import TEST_COMPILES
 from helpers import podtrain
 
 CHECKS = ["devices", "data", "train step", "grad sync", "checkpoint", "all-reduce"]
@@ -26,7 +27,7 @@ def test_every_check_passes_on_eight_devices(tmp_path, small_overrides, capsys):
 
 
 def test_every_check_passes_on_one_device(tmp_path, small_overrides):
-    one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    one_device = {"XLA_FLAGS": f"{TEST_COMPILES} --xla_force_host_platform_device_count=1"}
     done = podtrain("doctor", *small_overrides, f"run_dir={tmp_path}", env=one_device, timeout=300)
     assert done.returncode == 0 and passed(done.stdout) == CHECKS, done.stdout + done.stderr[-2000:]
     assert "1 x cpu" in done.stdout
