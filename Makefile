@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-recipes lint format docs clean
+.PHONY: train test test-integration lint format docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,10 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-# The shipped recipes trained or planned at their shipped size: what they promise (learning,
-# fitting) rather than how the code works, minutes each. CI runs them after `make test`.
-test-recipes: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) -m recipe
+# Minutes of end-to-end work each: the shipped recipes trained or planned at their size (they
+# learn, they fit), processes killed at random and restarted. CI runs them after `make test`.
+test-integration: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) -m integration
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check podtrain tests bench

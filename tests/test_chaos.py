@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from podtrain.config.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -69,6 +70,7 @@ def _state(run, cfg):
     return jax.device_get(state)
 
 
+@pytest.mark.integration
 def test_sigkill_at_random_moments_then_rerun_ends_bitwise_equal(tmp_path):
     cfg = load_config(None, [*ARGS, f"run_dir={tmp_path / 'reference'}"])
     train(cfg)

@@ -75,7 +75,7 @@ def test_kernel_on_each_device_equals_one_device():
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5 * float(jnp.abs(theirs).max()))
 
 
-@pytest.mark.recipe
+@pytest.mark.integration
 @needs_libtpu
 def test_trm_pod_recipe_on_v4_64_runs_the_kernel_and_is_compute_bound():
     """`auto` picks the kernel on TPU; compiled ahead of time for a v4-64 (16 MiB of VMEM a core),

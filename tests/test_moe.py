@@ -285,7 +285,7 @@ def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
     assert (np.asarray(state["params"]["layers"]["mlp"]["router_bias"])[:, 0] < 0.05).all()
 
 
-@pytest.mark.recipe
+@pytest.mark.integration
 def test_moe_tiny_beats_tiny_at_the_same_steps_and_weights_per_token(tmp_path):
     """configs/moe_tiny.yaml against configs/tiny.yaml as shipped (200 steps, same data and seed, 2
     experts of half the dense MLP's width per token), each as a user runs it: the MoE's held-out

@@ -175,6 +175,7 @@ def test_resume_on_another_process_count(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in read_metrics(run) if "loss" in r], losses, rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_launch_fails_fast_when_a_process_dies(tmp_path):
     """With no restart allowed: a non-zero exit soon after the kill, and no process left."""
     run = tmp_path / "run"

@@ -40,8 +40,14 @@ def wandb_records(path: Path) -> list:
 def wandb_run(run_dir: Path, index: int) -> tuple[str, dict, dict]:
     """(run id, config, {step: train/loss}) of the index-th offline W&B run in a run directory."""
     files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    records = wandb_records(files[index])
-    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    # W&B's own process writes the file; on a loaded machine it may still be at it after finish().
+    for _ in range(100):
+        records = wandb_records(files[index])
+        runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        if runs:
+            break
+        time.sleep(0.1)
+    run = runs[0]
     config = {item.key: item.value_json for item in run.config.update}
     losses = {}
     for r in records:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from podtrain.errors import Preempted
 from podtrain.train import preemption
 from podtrain.train.metrics import read_metrics
@@ -69,6 +70,7 @@ def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_continues(tmp_path):
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, stopped + 3))
 
 
+@pytest.mark.integration
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     run = tmp_path / "run"
     launch = ["launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", *ENDLESS, f"run_dir={run}"]

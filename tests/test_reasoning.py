@@ -311,7 +311,7 @@ def test_resume_restores_the_carry(tmp_path, puzzles):
     np.testing.assert_allclose([resumed[s] for s in (3, 4)], [straight[s] for s in (3, 4)], rtol=0, atol=1e-6)
 
 
-@pytest.mark.recipe
+@pytest.mark.integration
 @pytest.mark.parametrize("name,margin", [("trm", 0.1), ("hrm", 0.03)])
 def test_short_cpu_run_beats_copying_the_givens(tmp_path_factory, name, margin):
     """configs/trm_sudoku_tiny.yaml and hrm_sudoku_tiny.yaml: 100 of their 150 steps on easy

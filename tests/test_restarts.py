@@ -37,6 +37,7 @@ def _launch(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+@pytest.mark.integration
 def test_a_killed_process_restarts_the_job_which_ends_as_if_uninterrupted(tmp_path):
     run = tmp_path / "run"
     launcher = _launch(
