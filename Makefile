@@ -23,8 +23,9 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-# Minutes of end-to-end work each: the shipped recipes trained or planned at their size (they
-# learn, they fit), processes killed at random and restarted. CI runs them after `make test`.
+# 20 s to minutes of end-to-end work each: the shipped recipes trained or planned at their size
+# (they learn, they fit), processes killed at random and restarted, the larger compiles for a TPU
+# or GPU (smaller ones stay in `make test`). CI runs them after `make test`.
 test-integration: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS) -m integration
 

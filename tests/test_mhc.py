@@ -317,6 +317,7 @@ def test_the_projection_gradient_is_elementwise_on_tpu_and_matmuls_elsewhere():
     assert matmuls_for(jax.devices("cpu")[0]) == 8
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_mixing_moves_the_streams_in_the_compute_dtype_on_tpu():
     """One mixer's forward and backward, compiled ahead of time for a TPU v6e chip at mhc_3b's size

@@ -241,6 +241,7 @@ def test_the_megablox_kernel_computes_what_ragged_dot_does():
         np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_experts_compile_for_tpu_with_the_megablox_kernel():
     """Ahead of time for a v5p-8 (4 chips) as expert=2 x fsdp=2: auto picks megablox, whose

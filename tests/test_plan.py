@@ -240,6 +240,7 @@ def test_gpu_target_in_json():
     assert 0 < report["mfu"] < 1 and report["compile_s"] > 0
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_tpu_compile_counts_the_same_flops_as_cpu():
     """The TPU compiler writes matmuls as convolutions and drops loop trip counts; counted, they
@@ -314,6 +315,7 @@ def test_splash_attention_with_a_window_a_soft_cap_and_segments_equals_the_xla_p
         assert float(abs(mine - theirs).max()) < 1e-4
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_splash_compiles_for_tpu_and_keeps_scores_off_hbm():
     """`auto` picks splash on TPU; compiled ahead of time for a v5e-8 its step needs less memory and

@@ -3,6 +3,7 @@ the most FLOPs, each traced back to its model code), and GPU plans compiled with
 
 import re
 
+import pytest
 from podtrain.config.load import load_config
 from podtrain.planning import cost, fit, hlo, plan
 from podtrain.planning import targets as hardware
@@ -45,6 +46,7 @@ def _score_arrays(hlo_text: str, seq: int, block: int) -> list[str]:
     return [a for a in arrays if sum(int(d) in (seq, block) for d in a.split(",")) >= 2]
 
 
+@pytest.mark.integration
 def test_a_gpu_plan_compiles_cudnn_attention_without_scores():
     """A GPU plan compiles for the card with no GPU here: attention is cuDNN's fused kernel (a
     custom call, partitioned per shard over a mesh), so no (seq, seq) scores appear."""
