@@ -3,7 +3,7 @@ step, for one model on 8 fake CPU devices, and step time per token against one d
 
     python bench/collectives.py                          # the default (tiny) model
     python bench/collectives.py configs/llama_1b.yaml train.batch_size=16 --no-time
-    python bench/collectives.py train.seq_len=4096 train.batch_size=1 --meshes 1x1x1x1,1x1x8x1 --no-time
+    python bench/collectives.py train.seq_len=4096 train.batch_size=1 --meshes 1x1x1x1x1x1,1x1x1x8x1x1 --no-time
 
 Compiled ahead of time from abstract shapes, so a 1B-parameter model costs no memory here.
 Bytes are of the whole arrays each collective moves, times its executions per step (a layer
@@ -29,7 +29,8 @@ from podtrain.runtime.mesh import build_mesh  # noqa: E402
 from podtrain.sharding import AXES  # noqa: E402
 from podtrain.train.job import build, compile_step  # noqa: E402
 
-MESHES = "1x1x1x1x1,8x1x1x1x1,1x8x1x1x1,1x1x1x1x8,2x2x1x1x2"  # data x fsdp x context x expert x tensor
+# data x stage x fsdp x context x expert x tensor
+MESHES = "1x1x1x1x1x1,8x1x1x1x1x1,1x1x8x1x1x1,1x1x1x1x1x8,2x1x2x1x1x2"
 MiB = 2**20
 
 
@@ -63,6 +64,8 @@ def main() -> None:
     )
     reference = None
     for shape in (tuple(map(int, m.split("x"))) for m in args.meshes.split(",")):
+        if len(shape) != len(AXES):
+            p.error(f"--meshes: each shape has {len(AXES)} sizes, {' x '.join(AXES)}; got {'x'.join(map(str, shape))}")
         overrides = ["device_type=cpu", *args.overrides, *(f"mesh.{a}={s}" for a, s in zip(AXES, shape))]
         cfg = resolve_auto(load_config(args.config, overrides), "cpu")
         mesh = build_mesh(cfg.mesh, jax.devices()[: math.prod(shape)])

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.config.load import load_config
+from podtrain.models.attention import context as context_module
 from podtrain.models.attention import grouped_attention
 from podtrain.models.attention.context import context_attention
 from podtrain.runtime.mesh import build_mesh
@@ -135,9 +136,10 @@ def test_reordering_balances_causal_work_over_the_shards(context):
     assert sorted(balanced_order(8, 2)) == list(range(8)) and list(balanced_order(8, 2)) == [0, 1, 6, 7, 2, 3, 4, 5]
 
 
-def test_ring_attention_equals_all_gather_forward_and_backward():
+def test_ring_attention_equals_all_gather_forward_and_backward(monkeypatch):
     """The two strategies, and attention on one device, give the same outputs and gradients, with
-    shuffled positions, segments and a window."""
+    shuffled positions, segments and a window; the ring folds its queries in blocks of 4."""
+    monkeypatch.setattr(context_module, "RING_BLOCK", 4)
     mesh = build_mesh(load_config(None, ["mesh.data=1", "mesh.context=8"]).mesh, jax.devices())
     b, t = 2, 128
     q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, 16)) for i, n in enumerate((4, 2, 2)))
@@ -165,6 +167,32 @@ def test_ring_attention_equals_all_gather_forward_and_backward():
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), results[strategy], results[None]
         )
+
+
+def test_the_causal_ring_computes_only_the_pairs_its_order_lets_through():
+    """From the compiled program on context=8: the causal ring computes three quarters of the
+    (query, key) pairs of its own shard and half of every other's (one branch of a conditional;
+    which half depends on the shard), so its forward does (2c + 1) / 4c of the matmul FLOPs of
+    the same ring without a mask, and its backward skips what its forward skipped."""
+    from podtrain.planning.cost import matmul_flops
+
+    mesh = build_mesh(load_config(None, ["mesh.data=1", "mesh.context=8"]).mesh, jax.devices())
+    b, t = 2, 256
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, n, 16)) for i, n in enumerate((4, 2, 2)))
+    positions = jnp.broadcast_to(jnp.asarray(balanced_order(t, 8)), (b, t))
+    flops = {}
+    for causal in (True, False):
+
+        def attend(q, k, v, causal=causal):
+            out = context_attention(
+                q, k, v, positions, None, None, strategy="ring", causal=causal, scale=0.25, softcap=0.0
+            )
+            return (out**2).sum()
+
+        for name, fn in (("forward", attend), ("both", jax.grad(attend, argnums=(0, 1, 2)))):
+            flops[name, causal] = matmul_flops(sharded_jit(fn, mesh).lower(q, k, v).compile().as_text())
+    assert flops["forward", True] / flops["forward", False] == pytest.approx(17 / 32, rel=1e-6), flops
+    assert flops["both", True] / flops["both", False] < 0.65, flops
 
 
 @pytest.mark.parametrize("window", [0, 40])

@@ -43,7 +43,9 @@ TWO_STAGES = ["mesh.dcn_stage=2", "mesh.data=1", "mesh.fsdp=4"]  # a pipeline st
 @pytest.mark.parametrize(
     "nproc,per_proc,mesh,status",
     [
-        (2, 4, ONE_MESH, "mesh data=1 stage=1 fsdp=4 context=1 expert=1 tensor=2"),
+        pytest.param(
+            2, 4, ONE_MESH, "mesh data=1 stage=1 fsdp=4 context=1 expert=1 tensor=2", marks=pytest.mark.integration
+        ),
         (2, 4, TWO_SLICES, "mesh data=2x1 stage=1 fsdp=2 context=1 expert=1 tensor=2 on 2 slices of 4 devices"),
         (2, 4, TWO_STAGES, "mesh data=1 stage=2x1 fsdp=4 context=1 expert=1 tensor=1 on 2 slices of 4 devices"),
     ],
@@ -284,6 +286,7 @@ def test_torchrun_variables():
     )  # JAX_* first
 
 
+@pytest.mark.integration
 def test_launch_training_script_joins_two_nodes(tmp_path):
     """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK: `podtrain
     doctor` on their two processes."""

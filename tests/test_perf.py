@@ -141,6 +141,7 @@ def test_unrolled_layers_equal_the_scan(model, small_overrides):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), unrolled, scanned)
 
 
+@pytest.mark.integration
 def test_throughput_bench_runs_tiny():
     """End to end on CPU in its tiny mode: each side in a process of its own (two processes, neither
     the script's), both training one warmup step from a loss near log(vocabulary), then one timed

@@ -40,6 +40,27 @@ def test_operations_add_up_to_the_step_and_name_their_source():
     assert [op["name"] for op in plan.as_json(p, top=2)["top_flops"]] == [o.name for o in p.top_flops[:2]]
 
 
+def test_one_branch_of_a_conditional_runs_and_each_counts_its_share():
+    """jax.lax.cond between one matmul and two: the plan counts each branch half the time, 1.5
+    matmuls, in FLOPs and in the bytes each of its operations moves."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 64))
+    text = (
+        jax.jit(lambda p, x: jax.lax.cond(p, lambda x: x @ x, lambda x: x @ x @ x, x))
+        .lower(True, x)
+        .compile()
+        .as_text()
+    )
+    assert "conditional(" in text
+    assert cost.matmul_flops(text) == 1.5 * 2 * 64**3
+    matmuls = [o for o in cost.operations(text) if o.flops]
+    assert len(matmuls) == 3 and all(o.flops == 2 * 64**3 / 2 for o in matmuls), matmuls
+    # x @ x reads one 64 x 64 array and writes one; (x @ x) @ x reads two
+    assert sorted(o.bytes for o in matmuls) == [64 * 64 * 4 * n / 2 for n in (2, 2, 3)], matmuls
+
+
 def _score_arrays(hlo_text: str, seq: int, block: int) -> list[str]:
     """Arrays of the HLO with two sequence-sized dimensions: attention scores (seq or a causal block of queries)."""
     arrays = re.findall(r"\[([\d,]+)\]", hlo_text)

@@ -245,7 +245,7 @@ def operations(text: str) -> list[Operation]:
     bodies, entry = hlo.computations(text)
     frames, found = _stack_frames(text), []
 
-    def visit(name: str, times: int) -> None:
+    def visit(name: str, times: float) -> None:
         sizes, shapes = {}, {}
         for line, result, type_text, op, operands in hlo.instructions(bodies.get(name, ())):
             placed = hlo.device_memory_bytes(type_text)
@@ -256,8 +256,8 @@ def operations(text: str) -> list[Operation]:
                 visit(hlo.BODY.search(line).group(1), times * hlo.trip_count(line, bodies, bodies[name]))
                 continue
             if op in ("call", "conditional"):
-                for callee in hlo.callees(line):
-                    visit(callee, times)
+                for callee in hlo.callees(line):  # one of a conditional's branches runs: each counts 1/k
+                    visit(callee, times / (len(hlo.branches(line)) if op == "conditional" else 1))
                 continue
             if op == "fusion":
                 moved = _accesses(called, bodies, [sizes.get(o, 0) for o in operands], placed)

@@ -40,8 +40,9 @@ _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 # puts buffers in on-chip memories (S(1) VMEM, and scalar spaces) beside device memory (no S).
 _PLACED = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
 _ON_CHIP = re.compile(r"S\([1-9]\d*\)")
-_CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BRANCH = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")  # stack frames, after the header
 BODY = re.compile(r"\bbody=%?([\w.\-]+)")
@@ -141,21 +142,29 @@ def trip_count(loop: str, bodies: dict, caller: list[str] = ()) -> int:
 
 def callees(line: str) -> list[str]:
     """The computations an instruction calls: loop body and condition, branches, reducers, fusions."""
-    return _CALLEE.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
+    return _CALLEE.findall(line) + branches(line)
 
 
-def multipliers(bodies: dict, entry: str) -> dict[str, int]:
-    """Times each computation runs per execution of the entry one, through calls and while loops."""
-    times: dict[str, int] = defaultdict(int)
+def branches(line: str) -> list[str]:
+    """The branches of a conditional instruction (none for any other)."""
+    return _BRANCH.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
 
-    def visit(name: str, n: int) -> None:
+
+def multipliers(bodies: dict, entry: str) -> dict[str, float]:
+    """Times each computation runs per execution of the entry one, through calls and while loops.
+    One of a conditional's k branches runs: each counts as running 1/k of the times (exact where
+    they cost the same, as the ring attention's two do)."""
+    times: dict[str, float] = defaultdict(int)
+
+    def visit(name: str, n: float) -> None:
         times[name] += n
         for line in bodies.get(name, ()):
             body = BODY.search(line)
+            arms = branches(line)
             for callee in callees(line):
                 if callee in bodies:
                     loops = trip_count(line, bodies, bodies[name]) if body and callee == body.group(1) else 1
-                    visit(callee, n * loops)
+                    visit(callee, n * loops / (len(arms) if callee in arms else 1))
 
     visit(entry, 1)
     return times

@@ -4,22 +4,31 @@ each device keeps its queries and sees every key, by one of two strategies.
 - all_gather: the keys and values of every shard are gathered, then attended to at once (MaxText's
   default): one all-gather of K and V per layer forward, a reduce-scatter of their gradients back.
 - ring: the shards' keys and values go round a ring, one step per shard, each step folded into an
-  online softmax (running max, sum and output): no device ever holds more than one other shard's
-  K and V; each step is recomputed in the backward pass, whose ring runs the other way.
+  online softmax (running max, sum and output) a block of queries at a time: no device ever holds
+  more than one other shard's K and V, nor more than a block's scores; the backward pass
+  recomputes them block by block, and its ring runs the other way.
 
-The tokens arrive in any order (the language task interleaves them so that causal work is even
-over the shards): what a query sees is decided by the tokens' positions and segment ids, never
-by their place in the array.
+Causal tokens arrive in balanced order (`sharding.balanced_order`, which the language task applies
+when it builds a batch): the ring computes only the pairs of shards' halves that this order can
+let through, so every shard does the same work. Within those, what a query sees is decided by the
+tokens' positions and segment ids, never by their place in the array.
 """
 
 from __future__ import annotations
+
+import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from podtrain.models.attention.xla import grouped_attention, scores, visible
 from podtrain.models.layers import HEADS, SEGMENTS
-from podtrain.sharding import gather, pass_on, per_shard, shards_along
+from podtrain.sharding import gather, pass_on, per_shard, shard_index, shards_along
+
+# Queries folded into the ring's online softmax at a time: a block's float32 scores against one
+# shard's keys stay small (1 GiB at 131,072 tokens over 8 shards with 32 heads).
+RING_BLOCK = 512
 
 
 def context_attention(
@@ -48,37 +57,85 @@ def context_attention(
 
 def _ring(q_BTNH, k_BSKH, v_BSKH, positions, segments, window, causal, scale, softcap):
     """This shard's queries against every shard's keys, which pass round the ring: after step r
-    this shard has folded in the keys of the shard r places before it."""
+    this shard (i of c) has folded in the keys of shard j = i - r mod c. Causal tokens are in
+    balanced order, shard i holding chunks i and 2c-1-i (its `lo` and `hi` halves), so the pairs
+    of a step that can be visible are known without looking: its own keys, all but the lo queries'
+    view of the hi keys; then, from a shard before it (j < i), every query against the lo keys
+    only; from a shard after it (j > i), the hi queries against all its keys. Every step after
+    the first computes half the pairs, the same number on every shard."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(scale, q_BTNH.dtype)
-
-    @jax.checkpoint  # the backward recomputes a step's scores: one block of them alive at a time
-    def fold(state, block):
-        top, total, out = state  # (B, K, T, G, 1) running max and sum; (B, T, K, G, H) unnormalised output
-        k, v, k_positions, k_segments = block
-        sight = ((positions, k_positions), None if segments is None else (segments, k_segments), window)
-        ok = visible(sight, 0, t, k.shape[1], causal)
-        logits = jnp.where(ok, scores(q, k, softcap), -1e30)
-        new_top = jnp.maximum(top, logits.max(axis=-1, keepdims=True))
-        probs = jnp.where(ok, jnp.exp(logits - new_top), 0.0)
-        kept = jnp.exp(top - new_top)
-        total = total * kept + probs.sum(axis=-1, keepdims=True)
-        out = out * kept.transpose(0, 2, 1, 3, 4) + jnp.einsum(
-            "bktgs,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
-        return new_top, total, out
-
-    state = (
-        jnp.full((b, kv, t, n // kv, 1), -1e30, jnp.float32),
-        jnp.zeros((b, kv, t, n // kv, 1), jnp.float32),
-        jnp.zeros((b, t, kv, n // kv, h), jnp.float32),
-    )
+    mine = (q, positions, segments)
+    halves = [_rows(mine, 0, t // 2), _rows(mine, t // 2, t)]
+    states = [_start(half[0]) for half in halves]
     block = (k_BSKH, v_BSKH, positions, segments)
-    shards = shards_along("act_seq")
+    shards, me = shards_along("act_seq"), shard_index("act_seq")
+    fold = partial(_fold, window=window, causal=causal, softcap=softcap)
     for step in range(shards):
-        state = fold(state, block)
+        lo_keys = _rows(block, 0, t // 2)
+        if not causal:
+            states = [fold(state, half, block) for state, half in zip(states, halves)]
+        elif step == 0:
+            states = [fold(states[0], halves[0], lo_keys), fold(states[1], halves[1], block)]
+        else:
+
+            def before(s, keys=lo_keys):  # from shard j < i: every query, its lo keys only
+                return [fold(s[0], halves[0], keys), fold(s[1], halves[1], keys)]
+
+            def after(s, keys=block):  # from shard j > i: the hi queries, all its keys
+                return [s[0], fold(s[1], halves[1], keys)]
+
+            states = jax.lax.cond(me >= step, before, after, states)
         if step < shards - 1:
             block = pass_on(block, "act_seq")
-    top, total, out = state
-    return (out / total.transpose(0, 2, 1, 3, 4)).astype(q_BTNH.dtype).reshape(b, t, n, h)
+    out = jnp.concatenate([o / total[..., None] for _, total, o in states], axis=1)
+    return out.astype(q_BTNH.dtype).reshape(b, t, n, h)
+
+
+def _rows(arrays, lo: int, hi: int):
+    """Sequence rows lo..hi-1 (axis 1) of each array (None stays None)."""
+    return jax.tree.map(lambda x: x[:, lo:hi], arrays)
+
+
+def _start(q_BTKGH):
+    """An online softmax before any key: running max and sum (B, T, K, G), unnormalised output (B, T, K, G, H)."""
+    b, t, kv, g, h = q_BTKGH.shape
+    return (
+        jnp.full((b, t, kv, g), -1e30, jnp.float32),
+        jnp.zeros((b, t, kv, g), jnp.float32),
+        jnp.zeros(q_BTKGH.shape, jnp.float32),
+    )
+
+
+def _fold(state, queries, keys, *, window, causal, softcap):
+    """The online softmax `state` of `queries` (q, positions, segments) with `keys` (k, v,
+    positions, segments) folded in, RING_BLOCK queries at a time: a block's float32 scores are
+    the largest array, and the backward pass recomputes them block by block."""
+    rows = queries[0].shape[1]
+    size = math.gcd(rows, RING_BLOCK)
+    k, v, k_at, k_segments = keys
+
+    @jax.checkpoint
+    def one(_, block):
+        (top, total, out), (q, q_at, q_segments) = block
+        sight = ((q_at, k_at), None if q_segments is None else (q_segments, k_segments), window)
+        ok = visible(sight, 0, q.shape[1], k.shape[1], causal)
+        logits = jnp.where(ok, scores(q, k, softcap), -1e30)  # (B, K, T, G, S)
+        new_top = jnp.maximum(top, logits.max(axis=-1).transpose(0, 2, 1, 3))
+        probs = jnp.where(ok, jnp.exp(logits - new_top.transpose(0, 2, 1, 3)[..., None]), 0.0)
+        kept = jnp.exp(top - new_top)
+        total = total * kept + probs.sum(axis=-1).transpose(0, 2, 1, 3)
+        out = out * kept[..., None] + jnp.einsum(
+            "bktgs,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return None, (new_top, total, out)
+
+    def blocks(x):  # (B, rows, ...) as (rows / size, B, size, ...), and back
+        return jnp.moveaxis(x.reshape(x.shape[0], rows // size, size, *x.shape[2:]), 1, 0)
+
+    def whole(x):
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], rows, *x.shape[3:])
+
+    _, state = jax.lax.scan(one, None, jax.tree.map(blocks, (state, queries)))
+    return jax.tree.map(whole, state)
