@@ -153,7 +153,7 @@ def branches(line: str) -> list[str]:
 def multipliers(bodies: dict, entry: str) -> dict[str, float]:
     """Times each computation runs per execution of the entry one, through calls and while loops.
     One of a conditional's k branches runs: each counts as running 1/k of the times (exact where
-    they cost the same, as the ring attention's two do)."""
+    they cost the same)."""
     times: dict[str, float] = defaultdict(int)
 
     def visit(name: str, n: float) -> None:

@@ -10,7 +10,7 @@ each device keeps its queries and sees every key, by one of two strategies.
 
 Causal tokens arrive in balanced order (`sharding.balanced_order`, which the language task applies
 when it builds a batch): the ring computes only the pairs of shards' halves that this order can
-let through, so every shard does the same work. Within those, what a query sees is decided by the
+let through, the same number on every shard. Within those, what a query sees is decided by the
 tokens' positions and segment ids, never by their place in the array.
 """
 
@@ -58,38 +58,44 @@ def context_attention(
 def _ring(q_BTNH, k_BSKH, v_BSKH, positions, segments, window, causal, scale, softcap):
     """This shard's queries against every shard's keys, which pass round the ring: after step r
     this shard (i of c) has folded in the keys of shard j = i - r mod c. Causal tokens are in
-    balanced order, shard i holding chunks i and 2c-1-i (its `lo` and `hi` halves), so the pairs
-    of a step that can be visible are known without looking: its own keys, all but the lo queries'
-    view of the hi keys; then, from a shard before it (j < i), every query against the lo keys
-    only; from a shard after it (j > i), the hi queries against all its keys. Every step after
-    the first computes half the pairs, the same number on every shard."""
+    balanced order, shard i holding chunks i and 2c-1-i (its `lo` and `hi` halves), so which
+    halves can see which is known without looking: hi queries see every shard's lo keys; from
+    its own shard, lo sees lo and hi sees hi (causally); from an earlier shard (j < i) lo sees
+    lo, from a later one hi sees hi, and nothing else. A step after the first computes two
+    quarters of the pairs, the same on every shard; the second is picked by `where`, not a branch."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(scale, q_BTNH.dtype)
-    mine = (q, positions, segments)
-    halves = [_rows(mine, 0, t // 2), _rows(mine, t // 2, t)]
-    states = [_start(half[0]) for half in halves]
-    block = (k_BSKH, v_BSKH, positions, segments)
-    shards, me = shards_along("act_seq"), shard_index("act_seq")
+
+    def halves(arrays):  # a shard's lo and hi chunks
+        return _rows(arrays, 0, t // 2), _rows(arrays, t // 2, t)
+
+    lo, hi = halves((q, positions, segments))
     fold = partial(_fold, window=window, causal=causal, softcap=softcap)
-    for step in range(shards):
-        lo_keys = _rows(block, 0, t // 2)
+    block = (k_BSKH, v_BSKH, positions, segments)
+    (k_lo, k_hi), states = halves(block), (_start(lo[0]), _start(hi[0]))
+    if causal:  # this shard's own keys
+        states = fold(states[0], lo, k_lo), fold(fold(states[1], hi, k_lo), hi, k_hi)
+    else:
+        states = fold(states[0], lo, block), fold(states[1], hi, block)
+
+    def other(carry, step):  # the next shard's keys along the ring: from shard j = i - step mod c
+        (state_lo, state_hi), block = carry
+        block = pass_on(block, "act_seq")
+        k_lo, k_hi = halves(block)
         if not causal:
-            states = [fold(state, half, block) for state, half in zip(states, halves)]
-        elif step == 0:
-            states = [fold(states[0], halves[0], lo_keys), fold(states[1], halves[1], block)]
-        else:
+            return ((fold(state_lo, lo, block), fold(state_hi, hi, block)), block), None
+        earlier = shard_index("act_seq") >= step  # j < i
 
-            def before(s, keys=lo_keys):  # from shard j < i: every query, its lo keys only
-                return [fold(s[0], halves[0], keys), fold(s[1], halves[1], keys)]
+        def pick(if_earlier, if_later):
+            return jax.tree.map(lambda a, z: jnp.where(earlier, a, z), if_earlier, if_later)
 
-            def after(s, keys=block):  # from shard j > i: the hi queries, all its keys
-                return [s[0], fold(s[1], halves[1], keys)]
+        state_hi = fold(state_hi, hi, k_lo)
+        folded = fold(pick(state_lo, state_hi), pick(lo, hi), pick(k_lo, k_hi))
+        return ((pick(folded, state_lo), pick(state_hi, folded)), block), None
 
-            states = jax.lax.cond(me >= step, before, after, states)
-        if step < shards - 1:
-            block = pass_on(block, "act_seq")
-    out = jnp.concatenate([o / total[..., None] for _, total, o in states], axis=1)
+    (state_lo, state_hi), _ = jax.lax.scan(other, (states, block), jnp.arange(1, shards_along("act_seq")))[0]
+    out = jnp.concatenate([o / total[..., None] for _, total, o in (state_lo, state_hi)], axis=1)
     return out.astype(q_BTNH.dtype).reshape(b, t, n, h)
 
 
@@ -137,5 +143,7 @@ def _fold(state, queries, keys, *, window, causal, softcap):
     def whole(x):
         return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], rows, *x.shape[3:])
 
+    if rows == size:  # one block: no loop to compile
+        return one(None, (state, queries))[1]
     _, state = jax.lax.scan(one, None, jax.tree.map(blocks, (state, queries)))
     return jax.tree.map(whole, state)
