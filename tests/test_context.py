@@ -284,6 +284,7 @@ def test_replica_groups_in_every_form_name_their_mesh_axes():
     assert axes("mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}") == ("data", "context")
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_a_split_sequence_compiles_for_tpu_with_splash():
     """Ahead of time for a v5p-8 (4 chips): 4,096 tokens over context=4 run the splash kernel (auto

@@ -125,6 +125,7 @@ def test_each_process_reads_its_own_rows(tmp_path, nproc):
         assert sorted(sum((r[step] for r in reads), [])) == list(range(int(step) * 8, int(step) * 8 + 8))
 
 
+@pytest.mark.integration
 def test_resume_on_another_process_count(tmp_path):
     """Prepared tokens: 4 steps on 2 processes x 4 devices, resumed on 1 process for 4 more, log
     the losses of 8 uninterrupted steps (a constant learning rate after warmup, so that the
