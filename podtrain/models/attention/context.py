@@ -26,8 +26,8 @@ from podtrain.models.attention.xla import grouped_attention, scores, visible
 from podtrain.models.layers import HEADS, SEGMENTS
 from podtrain.sharding import gather, pass_on, per_shard, shard_index, shards_along
 
-# Queries folded into the ring's online softmax at a time: a block's float32 scores against one
-# shard's keys stay small (1 GiB at 131,072 tokens over 8 shards with 32 heads).
+# Queries folded into the ring's online softmax at a time: a block's float32 scores against half
+# a shard's keys stay small (512 MiB per sequence at 131,072 tokens over 8 shards, 32 heads).
 RING_BLOCK = 512
 
 
