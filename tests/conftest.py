@@ -45,15 +45,16 @@ def small_overrides():
 # loadfile) to its workers in collection order, so a slow file collected last keeps one worker
 # busy while the other waits.
 SLOWEST_FIRST = (
-    "test_plan.py",
-    "test_multihost.py",
     "test_context.py",
-    "test_mhc.py",
-    "test_hf_families.py",
-    "test_perf.py",
-    "test_moe.py",
-    "test_reasoning.py",
     "test_pipeline.py",
+    "test_multihost.py",
+    "test_plan.py",
+    "test_reasoning.py",
+    "test_mhc.py",
+    "test_moe.py",
+    "test_hf.py",
+    "test_hf_families.py",
+    "test_sharding.py",
 )
 
 

@@ -103,6 +103,7 @@ def test_compiled_matmul_flops_match_the_model(remat):
     assert p.xla_cost_flops < p.matmul_flops  # cost_analysis counts a scanned layer once
 
 
+@pytest.mark.integration
 def test_a_job_that_does_not_fit_gets_the_smallest_change():
     cfg = load_config(CONFIGS / "tiny.yaml", MEDIUM)
     big = plan.plan(cfg, cpu(8), remedy=False)
@@ -124,6 +125,7 @@ def test_train_refuses_a_job_that_cannot_fit(tmp_path, monkeypatch, small_overri
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.integration
 def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     """On 4 devices with microbatches of 2 sequences: the 3 meshes whose data x fsdp is 4 cannot
     split a microbatch and say so; the other 3 meshes x 3 remat policies are planned and ranked
