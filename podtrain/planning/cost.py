@@ -256,8 +256,8 @@ def operations(text: str) -> list[Operation]:
                 visit(hlo.BODY.search(line).group(1), times * hlo.trip_count(line, bodies, bodies[name]))
                 continue
             if op in ("call", "conditional"):
-                for callee in hlo.callees(line):  # one of a conditional's branches runs: each counts 1/k
-                    visit(callee, times / (len(hlo.branches(line)) if op == "conditional" else 1))
+                for callee in hlo.callees(line):
+                    visit(callee, times * hlo.share(line, callee))
                 continue
             if op == "fusion":
                 moved = _accesses(called, bodies, [sizes.get(o, 0) for o in operands], placed)

@@ -142,29 +142,34 @@ def trip_count(loop: str, bodies: dict, caller: list[str] = ()) -> int:
 
 def callees(line: str) -> list[str]:
     """The computations an instruction calls: loop body and condition, branches, reducers, fusions."""
-    return _CALLEE.findall(line) + branches(line)
+    return _CALLEE.findall(line) + _branches(line)
 
 
-def branches(line: str) -> list[str]:
+def _branches(line: str) -> list[str]:
     """The branches of a conditional instruction (none for any other)."""
     return _BRANCH.findall(line) + [c.strip().lstrip("%") for b in _BRANCHES.findall(line) for c in b.split(",")]
 
 
+def share(line: str, callee: str) -> float:
+    """Runs of `callee` per run of the instruction `line` that calls it, loops aside: one of a
+    conditional's k branches runs, so each counts 1/k (exact where they cost the same)."""
+    arms = _branches(line)
+    return 1 / len(arms) if callee in arms else 1
+
+
 def multipliers(bodies: dict, entry: str) -> dict[str, float]:
-    """Times each computation runs per execution of the entry one, through calls and while loops.
-    One of a conditional's k branches runs: each counts as running 1/k of the times (exact where
-    they cost the same)."""
+    """Times each computation runs per execution of the entry one, through calls, conditionals
+    (`share`) and while loops."""
     times: dict[str, float] = defaultdict(int)
 
     def visit(name: str, n: float) -> None:
         times[name] += n
         for line in bodies.get(name, ()):
             body = BODY.search(line)
-            arms = branches(line)
             for callee in callees(line):
                 if callee in bodies:
                     loops = trip_count(line, bodies, bodies[name]) if body and callee == body.group(1) else 1
-                    visit(callee, n * loops / (len(arms) if callee in arms else 1))
+                    visit(callee, n * loops * share(line, callee))
 
     visit(entry, 1)
     return times
