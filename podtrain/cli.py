@@ -56,7 +56,12 @@ def _launch(args) -> int:
             "Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`."
         )
     cfg = _config(_parse(command)) if command[0] == "train" else None
-    log_dir = args.log_dir or (Path(cfg.run_dir) / "logs" if cfg else "runs/launch")
+    from podtrain import storage
+
+    # The processes' logs grow line by line: beside a local run, and in a local folder for a bucket's.
+    log_dir = args.log_dir or (
+        Path(cfg.run_dir) / "logs" if cfg and not storage.is_remote(cfg.run_dir) else "runs/launch"
+    )
     if command[0] in args.commands:  # a podtrain command
         command = [sys.executable, "-m", "podtrain", *command]
     options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts")
@@ -345,3 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("podtrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from podtrain.storage import explain  # a bucket that could not be reached or used, whatever raised it
+
+        if (explained := explain(e)) is None:
+            raise
+        print(f"podtrain: error: {explained}", file=sys.stderr)
+        return explained.exit_code

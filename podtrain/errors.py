@@ -31,6 +31,10 @@ class CheckpointError(PodtrainError):
     """A run directory or checkpoint that cannot be used."""
 
 
+class StorageError(PodtrainError):
+    """A path in a bucket that cannot be reached or used, or a scheme podtrain does not serve."""
+
+
 class DiskFull(CheckpointError):
     """A checkpoint the disk had no room for."""
 

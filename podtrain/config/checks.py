@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+from podtrain import storage
 from podtrain.config.schema import Config, ranges
-from podtrain.errors import ConfigError
+from podtrain.errors import ConfigError, StorageError
 from podtrain.models.attention import SPLASH_BLOCK
 
 DATA_FOLDERS = {  # what data.path must name for each source that reads one
@@ -15,6 +16,19 @@ DATA_FOLDERS = {  # what data.path must name for each source that reads one
     "tokens": "DIR, a folder made by `podtrain data prepare --out DIR`",
     "sudoku": "DIR, a folder built by `podtrain data sudoku --out DIR`",
 }
+
+
+def check_paths(cfg: Config) -> None:
+    """Each path is local or in a bucket podtrain serves; checkpoint arrays go where orbax writes them."""
+    for value in (cfg.run_dir, cfg.checkpoint.dir, cfg.data.path, cfg.data.tokenizer, cfg.train.init_from):
+        if value:
+            storage.scheme(value)
+    if storage.scheme(cfg.checkpoint_dir) == "s3":
+        raise StorageError(
+            f"Checkpoints cannot go to {cfg.checkpoint_dir}: orbax writes checkpoint arrays to local paths and "
+            "gs:// only. Set checkpoint.dir to a gs:// bucket or a local (or mounted, e.g. mountpoint-s3) folder; "
+            "the rest of the run may stay in s3://."
+        )
 
 
 def validate(cfg: Config) -> None:
@@ -26,6 +40,7 @@ def validate(cfg: Config) -> None:
                 "Give a value in that range; docs/configuration.md lists each key's."
             )
     cfg.model.validate()
+    check_paths(cfg)
     t, data, attention = cfg.train, cfg.data, cfg.model.attention
     if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
         raise ConfigError(

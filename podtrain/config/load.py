@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from podtrain import storage
 from podtrain.config.checks import validate
 from podtrain.config.schema import Config, all_keys, leaves
 from podtrain.data.text import data_tokenizer
@@ -60,7 +61,7 @@ def default_config(model: str = "llama") -> Config:
 
 
 def _read_yaml(path: str | Path) -> dict:
-    path = Path(path)
+    path = storage.path(path)
     if not path.is_file():
         raise ConfigError(
             f"Config file {path} does not exist. Pass a YAML file (see configs/) or no file for the default job."

@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from podtrain import storage
 from podtrain.config.load import flatten, load_config
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
@@ -17,15 +18,13 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Written whole or not at all (a temporary file renamed over it), so a kill leaves the last one."""
-    temporary = Path(f"{path}.tmp")
-    temporary.write_text(to_yaml(cfg))
-    temporary.replace(path)
+    """Written whole or not at all, so a kill leaves the last one."""
+    storage.write_text(path, to_yaml(cfg))
 
 
 def run_config(run_dir: str | Path) -> Config:
     """The config a run was trained with, from RUN_DIR/config.yaml."""
-    path = Path(run_dir) / "config.yaml"
+    path = storage.path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(
             f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
@@ -35,7 +34,7 @@ def run_config(run_dir: str | Path) -> Config:
 
 def differences(path: str | Path, cfg: Config) -> list[str]:
     """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
-    old, new = flatten(yaml.safe_load(Path(path).read_text()) or {}), flatten(yaml.safe_load(to_yaml(cfg)))
+    old, new = flatten(yaml.safe_load(storage.path(path).read_text()) or {}), flatten(yaml.safe_load(to_yaml(cfg)))
     return [
         f"{name} ({old.get(name)} there, {new.get(name)} here)"
         for name in sorted(old.keys() | new.keys())

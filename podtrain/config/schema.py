@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import posixpath
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from podtrain.errors import ConfigError
@@ -208,7 +208,7 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = key(100, "steps between checkpoints (0: only after the last step)", ">= 0")
     keep: int = key(3, "newest checkpoints kept", ">= 1")
-    dir: str | None = key(None, "where checkpoints go (default: RUN_DIR/checkpoints; gs:// paths work)")
+    dir: str | None = key(None, "where checkpoints go (default: RUN_DIR/checkpoints); a local path or gs://BUCKET/...")
     async_save: bool = key(True, "write checkpoints in the background while training goes on")
 
 
@@ -280,7 +280,7 @@ class Config:
     @property
     def checkpoint_dir(self) -> str:
         """A string, not a Path: Path would turn gs://bucket/run into the local gs:/bucket/run."""
-        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+        return self.checkpoint.dir or posixpath.join(self.run_dir, "checkpoints")
 
 
 def leaves(node: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:

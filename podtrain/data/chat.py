@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from podtrain import storage
 from podtrain.errors import DataError
 
 TOKENS, SEGMENTS, TRAINED = 0, 1, 2  # the channels of a packed row
@@ -93,7 +94,8 @@ class Renderer:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The conversations of a JSONL file, or of every *.jsonl file in a folder, in order."""
-    files = sorted(Path(path).glob("*.jsonl")) if Path(path).is_dir() else [Path(path)]
+    folder = storage.path(path)
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else [folder]
     if not files or not files[0].is_file():
         raise DataError(f"data.path={path} is not a JSONL file of conversations or a folder of them.")
     conversations = []

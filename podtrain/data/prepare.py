@@ -10,6 +10,7 @@ corpus and decided without knowing its length, as a streamed hub dataset require
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from podtrain import storage
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import keep_tokenizer
 from podtrain.data.tokens import FORMAT, MANIFEST, shard_file
@@ -33,9 +35,7 @@ def is_validation(i: int, fraction: float) -> bool:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
-    temporary.replace(path)
+    storage.write_text(path, json.dumps(value, indent=1) + "\n")
 
 
 def _settings(corpus: Corpus, tokenizer, val_fraction: float, shard_docs: int) -> dict:
@@ -63,7 +63,7 @@ def _start(out: Path, settings: dict) -> list[dict]:
                 f"{out} holds shards prepared with other settings (corpus, tokenizer, --val-fraction); "
                 f"use a new --out, or delete {out} to start over."
             )
-    elif any(out.iterdir()):
+    elif out.exists() and any(out.iterdir()):
         raise DataError(f"--out {out} is a folder with other files in it; give a new or empty folder.")
     _write_json(recorded, settings)
     done = []
@@ -84,9 +84,9 @@ def _write_shard(
     record = {"index": index, "documents": len(texts), "empty_documents": sum(not t for t in texts)}
     for split, pieces in tokens.items():
         array = np.concatenate(pieces).astype(dtype) if pieces else np.zeros(0, dtype)
-        temporary = out / f"{split}.tmp.npy"
-        np.save(temporary, array)
-        temporary.replace(shard_file(out, split, index))
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        storage.write_bytes(shard_file(out, split, index), buffer.getvalue())
         record[f"{split}_tokens"] = len(array)
         record[f"{split}_max_id"] = int(array.max()) if len(array) else -1
     _write_json(out / f"shard-{index:05d}.json", record)
@@ -101,7 +101,8 @@ def prepare(
     shard_docs: int = SHARD_DOCS,
     quiet: bool = False,
 ) -> dict:
-    """Tokenize `corpus` into shards in `out`, continuing an interrupted prepare; returns the manifest."""
+    """Tokenize `corpus` into shards in `out` (a local folder or a bucket's), continuing an
+    interrupted prepare; returns the manifest."""
     if tokenizer.eos_id is None:
         raise DataError(
             f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a "
@@ -109,8 +110,8 @@ def prepare(
         )
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} is outside [0, 1); give e.g. 0.01.")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.path(out)
+    storage.makedirs(out)
     settings = _settings(corpus, tokenizer, val_fraction, shard_docs)
     if (out / MANIFEST).is_file() and json.loads((out / "prepare.json").read_text()) == settings:
         return json.loads((out / MANIFEST).read_text())

@@ -2,8 +2,9 @@
 dataset saved with `datasets.save_to_disk`, a Hugging Face hub dataset streamed by `datasets`, or
 `pydoc`, the topic pages every CPython ships.
 
-Local files are read here rather than through `datasets` so that a bad row is named by its file
-and line; hub datasets are streamed, so a corpus larger than memory never has to fit in it.
+Files, local or in a bucket (podtrain.storage), are read here rather than through `datasets` so
+that a bad row is named by its file and line; hub datasets are streamed, so a corpus larger than
+memory never has to fit in it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -24,13 +26,13 @@ RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 class Corpus:
     """Where documents come from: `input` is a file, a folder or a hub dataset name."""
 
-    input: str  # a file, a folder, a hub dataset's name, or `pydoc`
+    input: str  # a file, a folder (local or gs://, s3://), a hub dataset's name, or `pydoc`
     text_field: str = "text"
     dataset_name: str | None = None  # the config of a hub dataset, e.g. cosmopedia-v2
     split: str = "train"
 
     def documents(self) -> Iterator[str]:
-        path = Path(self.input)
+        path = storage.path(self.input)
         if self.input == "pydoc" and not path.exists():
             return iter(pydoc_documents())
         if path.is_dir() and any((path / name).is_file() for name in ("dataset_info.json", "dataset_dict.json")):
@@ -65,7 +67,7 @@ class Corpus:
         return text
 
     def _json_rows(self, file: Path) -> Iterator[str]:
-        with open(file, "rb") as f:
+        with file.open("rb") as f:
             first = f.read(1).lstrip()
             f.seek(0)
             if file.suffix.lower() == ".json" and first == b"[":  # one JSON list of records
@@ -79,17 +81,18 @@ class Corpus:
     def _parquet_rows(self, file: Path) -> Iterator[str]:
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(file)
-        if self.text_field not in table.schema_arrow.names:
-            raise DataError(
-                f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); "
-                "pass --text-field with the column that holds the text."
-            )
-        row = 0
-        for batch in table.iter_batches(columns=[self.text_field]):
-            for text in batch.column(0).to_pylist():
-                row += 1
-                yield self._field({self.text_field: text}, f"{file}, row {row}")
+        with file.open("rb") as f:
+            table = pq.ParquetFile(f)
+            if self.text_field not in table.schema_arrow.names:
+                raise DataError(
+                    f"{file} has no column `{self.text_field}` (it has: {', '.join(table.schema_arrow.names)}); "
+                    "pass --text-field with the column that holds the text."
+                )
+            row = 0
+            for batch in table.iter_batches(columns=[self.text_field]):
+                for text in batch.column(0).to_pylist():
+                    row += 1
+                    yield self._field({self.text_field: text}, f"{file}, row {row}")
 
     def _saved(self, path: Path) -> Iterator[str]:
         import datasets

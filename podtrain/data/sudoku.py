@@ -13,12 +13,14 @@ depth-first solver with the fewest-candidates rule meets, so hard puzzles can be
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from podtrain import storage
 from podtrain.errors import DataError
 
 VOCAB = 11  # PAD, blank, 1..9
@@ -226,22 +228,23 @@ def augmented(puzzles: np.ndarray, sols: np.ndarray, copies: int, seed: int) -> 
 
 def save(directory: str | Path, train: SudokuSet, test: SudokuSet, meta: dict) -> dict:
     """Write the two splits and meta.json; returns the metadata written."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    storage.makedirs(directory)
     for name, split in (("train", train), ("test", test)):
-        np.savez_compressed(directory / f"{name}.npz", inputs=split.inputs, labels=split.labels)
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, inputs=split.inputs, labels=split.labels)
+        storage.write_bytes(storage.join(directory, f"{name}.npz"), buffer.getvalue())
     meta = {**meta, "train": len(train.inputs), "test": len(test.inputs), "vocab_size": VOCAB, "seq_len": 81}
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    storage.write_text(storage.join(directory, "meta.json"), json.dumps(meta, indent=1))
     return meta
 
 
 def load(directory: str | Path, split: str) -> SudokuSet:
-    path = Path(directory) / f"{split}.npz"
+    path = storage.path(directory) / f"{split}.npz"
     if not path.is_file():
         raise DataError(
             f"{path} does not exist; build the Sudoku data first: `podtrain data sudoku --out {directory}`."
         )
-    with np.load(path) as data:
+    with np.load(io.BytesIO(path.read_bytes())) as data:
         return SudokuSet(data["inputs"], data["labels"])
 
 

@@ -4,10 +4,9 @@ prepared by `podtrain data prepare` (data.source=tokens), memory-mapped."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from podtrain import storage
 from podtrain.config.schema import DataConfig
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import BYTES, load_tokenizer
@@ -22,7 +21,7 @@ def data_tokenizer(cfg: DataConfig):
         return load_tokenizer(BYTES if cfg.tokenizer == "auto" else cfg.tokenizer)
     manifest = load_manifest(cfg.path)
     made_with = manifest["tokenizer"]
-    tokenizer = load_tokenizer(str(Path(cfg.path) / "tokenizer") if cfg.tokenizer == "auto" else cfg.tokenizer)
+    tokenizer = load_tokenizer(storage.join(cfg.path, "tokenizer") if cfg.tokenizer == "auto" else cfg.tokenizer)
     if tokenizer.identity != made_with["sha256"]:
         raise DataError(
             f"The shards in {cfg.path} were made with the tokenizer {made_with['spec']} (sha256 "
@@ -43,7 +42,7 @@ def load_tokens(cfg: DataConfig, tokenizer) -> tuple:
                 f"{manifest['corpus']['dataset_name']}, not data.dataset_name={cfg.dataset_name}."
             )
         return TokenStream.of(cfg.path, manifest, "train"), TokenStream.of(cfg.path, manifest, "val")
-    if cfg.source == "text" and not Path(cfg.path).exists():
+    if cfg.source == "text" and not storage.path(cfg.path).exists():
         raise DataError(
             f"data.path={cfg.path} does not exist; give a corpus file or folder (.txt, .md, .jsonl, .json, .parquet)."
         )

@@ -12,12 +12,12 @@ import hashlib
 import itertools
 import json
 import math
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from podtrain import storage
 from podtrain.errors import DataError
 
 BYTES = "bytes"
@@ -86,7 +86,7 @@ def load_tokenizer(spec: str):
     """`bytes`, a folder holding tokenizer.json, a tokenizer.json file, or a hub model's name."""
     if spec == BYTES:
         return ByteTokenizer()
-    path = Path(spec)
+    path = storage.local_copy(spec)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise DataError(
@@ -115,15 +115,14 @@ def _from_hub(name: str) -> Path:
     return file
 
 
-def keep_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
-    """A copy of a tokenizer's files in `folder`, which `load_tokenizer(folder)` loads."""
-    if folder.resolve() == tokenizer.file.parent.resolve():
+def keep_tokenizer(tokenizer: HFTokenizer, folder) -> None:
+    """A copy of a tokenizer's files in `folder` (local or in a bucket), which `load_tokenizer(folder)` loads."""
+    if not storage.is_remote(folder) and Path(folder).resolve() == tokenizer.file.parent.resolve():
         return  # a run that trains with the tokenizer it keeps (one `convert` made)
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tokenizer.file, folder / "tokenizer.json")
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
+    storage.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (tokenizer.file.parent / name).is_file():
-            shutil.copyfile(tokenizer.file.parent / name, folder / name)
+            (storage.path(folder) / name).write_bytes((tokenizer.file.parent / name).read_bytes())
 
 
 def vocab_for(tokenizer) -> int:
@@ -155,9 +154,14 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path, chat: bo
     if first is None:
         raise DataError("The corpus has no documents to fit a tokenizer on; check --input.")
     tokenizer.train_from_iterator(itertools.chain([first], documents), trainer)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
+    with storage.staged(out) as folder:
+        tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(_config(chat), indent=1) + "\n")
+    return load_tokenizer(str(out))
+
+
+def _config(chat: bool) -> dict:
+    """tokenizer_config.json of a fitted BPE, as `transformers.AutoTokenizer` reads it."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": EOS,
@@ -167,5 +171,4 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path, chat: bo
     }
     if chat:
         config["chat_template"] = CHATML
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
-    return HFTokenizer(str(out), out / "tokenizer.json")
+    return config

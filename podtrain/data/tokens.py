@@ -6,20 +6,27 @@ DIR/train-NNNNN.npy     the tokens of each training document followed by EOS, ui
 DIR/val-NNNNN.npy       the same for the validation documents of that shard
 
 Plain `.npy` files are memory-mapped: a window is a slice, read by random access without
-loading a shard, and any process count can read any rows.
+loading a shard, and any process count can read any rows. Shards in a bucket are read the same
+way, by byte range (`RemoteShard`): the first step never waits for a download, and each process
+fetches only the blocks that hold its own rows.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 from pathlib import Path
 
 import numpy as np
 
+from podtrain import storage
 from podtrain.errors import DataError
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+BLOCK = 1 << 20  # bytes a range read fetches: neighbouring windows share it
+CACHE_BLOCKS = 256  # blocks kept per process (256 MiB): a small corpus is fetched once
 
 
 def shard_file(folder: Path, split: str, index: int) -> Path:
@@ -27,7 +34,7 @@ def shard_file(folder: Path, split: str, index: int) -> Path:
 
 
 def load_manifest(path: str | Path) -> dict:
-    folder = Path(path)
+    folder = storage.path(path)
     file = folder / MANIFEST
     if not file.is_file():
         unfinished = (
@@ -63,7 +70,8 @@ class TokenStream:
     def of(cls, folder: str | Path, manifest: dict, split: str) -> TokenStream:
         shards = [s for s in manifest["shards"] if s[f"{split}_tokens"]]
         return cls(
-            [shard_file(Path(folder), split, s["index"]) for s in shards], [s[f"{split}_tokens"] for s in shards]
+            [shard_file(storage.path(folder), split, s["index"]) for s in shards],
+            [s[f"{split}_tokens"] for s in shards],
         )
 
     def __getstate__(self) -> dict:
@@ -75,7 +83,9 @@ class TokenStream:
     def _shards(self) -> list[np.ndarray]:
         if self._arrays is None:
             try:
-                self._arrays = [np.load(f, mmap_mode="r") for f in self.files]
+                self._arrays = [
+                    RemoteShard(f) if storage.is_remote(f) else np.load(f, mmap_mode="r") for f in self.files
+                ]
             except (OSError, ValueError) as e:
                 raise DataError(
                     f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
@@ -92,3 +102,34 @@ class TokenStream:
             lo, hi = max(start, self.ends[i]) - self.ends[i], min(stop, self.ends[i + 1]) - self.ends[i]
             pieces.append(shards[i][lo:hi])
         return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+
+@functools.lru_cache(maxsize=CACHE_BLOCKS)
+def _block(url: str, index: int) -> bytes:
+    """Bytes [index x BLOCK, (index + 1) x BLOCK) of an object, one range request (fewer at its end)."""
+    return storage.filesystem(url).cat_file(storage.key(url), index * BLOCK, (index + 1) * BLOCK)
+
+
+class RemoteShard:
+    """A 1-D `.npy` in a bucket, sliced like the memory map of a local one: each slice is read by
+    byte range, in blocks of BLOCK bytes kept in a per-process cache of CACHE_BLOCKS."""
+
+    def __init__(self, url: str):
+        self.url = url
+        head = io.BytesIO(_block(url, 0))
+        version = np.lib.format.read_magic(head)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        (self.length,), _, self.dtype = read_header(head)
+        self.offset = head.tell()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        lo, hi, _ = window.indices(self.length)
+        start, stop = self.offset + lo * self.dtype.itemsize, self.offset + hi * self.dtype.itemsize
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        data = b"".join(_block(self.url, i) for i in range(start // BLOCK, (stop - 1) // BLOCK + 1))
+        first = start - start // BLOCK * BLOCK
+        return np.frombuffer(data[first : first + stop - start], self.dtype)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 
+from podtrain import storage
 from podtrain.config.load import default_config, load_config
 from podtrain.config.schema import Config
 from podtrain.data.tokenizer import keep_tokenizer, load_tokenizer
@@ -28,14 +28,15 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     fine-tunes with a fresh optimizer and `generate` samples from. Returns the config and the
     seconds spent reading the weights."""
     folder = hf_folder(source)
-    run = Path(run_dir)
+    run = storage.path(run_dir)
     if (run / "checkpoints").exists() or (run / "config.yaml").exists():
         raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
     has_tokenizer = (folder / "tokenizer.json").is_file()
     hf = read_hf_config(folder)
     keys = model_keys(hf, source)
     seq_len = min(default_config("llama").train.seq_len, keys["max_seq_len"])  # where the positions allow it
-    tokenizer = [f"data.tokenizer={(run / Run.TOKENIZER).resolve()}"] if has_tokenizer else []
+    kept = str(run / Run.TOKENIZER) if storage.is_remote(run) else (run / Run.TOKENIZER).resolve()
+    tokenizer = [f"data.tokenizer={kept}"] if has_tokenizer else []
     cfg = load_config(
         None,
         [
@@ -64,7 +65,7 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
 
 def export_dtype(run_dir: str) -> str:
     """The dtype an export writes by default: the one the run was imported in, else bfloat16."""
-    imported = Path(run_dir) / IMPORTED
+    imported = storage.path(run_dir) / IMPORTED
     return json.loads(imported.read_text())["dtype"] if imported.is_file() else "bfloat16"
 
 
@@ -84,16 +85,15 @@ def export_hf(run_dir: str, out_dir: str, dtype: str | None = None) -> tuple[lis
     family = export_family(cfg.model)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype} is not one of float32, bfloat16, float16.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = run.tokenizer()
-    files = write_params(params, out, family.tensors, dtype)
-    (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2)
-    )
-    if tokenizer.file:
-        keep_tokenizer(tokenizer, out)
+    with storage.staged(out_dir, last=("config.json",)) as out:
+        files = write_params(params, out, family.tensors, dtype)
+        (out / "config.json").write_text(json.dumps(hf_config(cfg.model, tokenizer.eos_id, dtype), indent=2))
+        (out / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2)
+        )
+        if tokenizer.file:
+            keep_tokenizer(tokenizer, out)
     return files, dtype
 
 

@@ -33,6 +33,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import PercentFormatter  # noqa: E402
 
+from podtrain import storage
 from podtrain.data import sudoku  # noqa: E402
 from podtrain.errors import ConfigError  # noqa: E402
 from podtrain.models import MODELS, family  # noqa: E402
@@ -129,14 +130,20 @@ def evaluate_run(run: Run, halts: list[int] | None, step: int | None = None) -> 
 
 def log(result: Result) -> None:
     """One record per halt_max_steps value at the end of RUN_DIR/metrics.jsonl."""
-    path = Path(result.run) / "metrics.jsonl"
+    path = storage.path(result.run) / "metrics.jsonl"
+    lines = b""
+    for halt, s in result.scores.items():
+        record = {"step": result.step, "eval_halt_max_steps": halt, **{f"test_{k}": s[k] for k in SCORES}}
+        lines += (json.dumps({**record, "test_puzzles": result.puzzles}) + "\n").encode()
+    if storage.is_remote(path):  # an object is replaced whole
+        before = path.read_bytes() if path.exists() else b""
+        storage.write_bytes(path, before + (b"\n" if before and not before.endswith(b"\n") else b"") + lines)
+        return
     with open(path, "a+b") as f:  # writes go to the end wherever the file is read
         if f.tell():
             f.seek(-1, 2)
             f.write(b"" if f.read(1) == b"\n" else b"\n")  # ends a line a killed run left half-written
-        for halt, s in result.scores.items():
-            record = {"step": result.step, "eval_halt_max_steps": halt, **{f"test_{k}": s[k] for k in SCORES}}
-            f.write((json.dumps({**record, "test_puzzles": result.puzzles}) + "\n").encode())
+        f.write(lines)
 
 
 def pooled(results: list[Result]) -> dict[int, dict[str, tuple[float, float, float]]]:
@@ -192,7 +199,7 @@ def plot(results: list[Result], path: Path) -> Path:
         for r in results:
             xs = sorted(r.scores)
             (line,) = ax.plot(xs, [r.scores[h][key] for h in xs], "o-", alpha=1 if len(results) == 1 else 0.5)
-            line.set_label(f"{Path(r.run).name} (step {r.step})")
+            line.set_label(f"{storage.path(r.run).name} (step {r.step})")
             if r.trained in r.scores:
                 ax.plot([r.trained], [r.scores[r.trained][key]], "*", ms=14, color=line.get_color())
         if len(results) > 1:
@@ -209,7 +216,8 @@ def plot(results: list[Result], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with storage.path(path).open("wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return path
 
@@ -228,5 +236,5 @@ def command(args) -> None:
             flush=True,
         )
     if len(results) > 1:
-        out = plot(results, Path(args.out) if args.out else runs[0].dir / POOLED)
+        out = plot(results, storage.path(args.out) if args.out else runs[0].dir / POOLED)
         print(f"{pooled_table(results)}\n[podtrain] wrote {out}")

@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 STOP_GRACE_S = 5
@@ -86,9 +87,10 @@ def _exit_status(code: int) -> str:
 def resume_point(checkpoint_dir: str | None) -> str:
     """Where a restarted training job resumes: its newest complete checkpoint (orbax gives a step
     its number only once it is complete; one found damaged on resume is skipped by training)."""
-    if not checkpoint_dir or "://" in checkpoint_dir:
+    if not checkpoint_dir:
         return "its newest checkpoint"
-    steps = [int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()] if os.path.isdir(checkpoint_dir) else []
+    folder = storage.path(checkpoint_dir)
+    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
     return f"step {max(steps)}, its newest checkpoint" if steps else "step 0 (no checkpoint yet)"
 
 

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from podtrain import storage
 from podtrain.errors import DataError  # noqa: E402
 from podtrain.train.metrics import read_metrics  # noqa: E402
 
@@ -35,7 +36,7 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for (key, title), ax in zip(panels, axes[0]):
         for d, records in runs.items():
-            name = Path(d).name
+            name = storage.path(d).name
             ax.plot(*_series(records, key), label=f"{name} train" if key == "loss" else name)
             if key == "loss":
                 ax.plot(*_series(records, "val_loss"), "o--", label=f"{name} val")
@@ -46,7 +47,8 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(out) if out else Path(run_dirs[0]) / "curves.png"
-    fig.savefig(path, dpi=100)
+    path = storage.path(out) if out else storage.path(run_dirs[0]) / "curves.png"
+    with path.open("wb") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     return path

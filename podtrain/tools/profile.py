@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from podtrain import storage
 from podtrain.config.schema import Config
 from podtrain.train.job import build
 from podtrain.train.profile import newest_trace, ops_by_time
@@ -24,16 +25,17 @@ def profile(cfg: Config, steps: int = 3, top: int = 10) -> Path:
     state, batches = job.init_state(cfg.seed), job.task.batches
     state, _ = job.step(state, batches[0])
     jax.block_until_ready(state)
-    folder = Path(cfg.run_dir) / "profile"
-    if rt.is_main:  # one trace file name per host
-        jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
-    for i in range(1, steps + 1):
-        state, _ = job.step(state, batches[i % len(batches)])
-    jax.block_until_ready(state)
-    if not rt.is_main:
-        return folder
-    jax.profiler.stop_trace()
-    trace = newest_trace(folder)
+    out = storage.join(cfg.run_dir, "profile")
+    with storage.staged(out) as folder:
+        if rt.is_main:  # one trace file name per host
+            jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
+        for i in range(1, steps + 1):
+            state, _ = job.step(state, batches[i % len(batches)])
+        jax.block_until_ready(state)
+        if not rt.is_main:
+            return out
+        jax.profiler.stop_trace()
+        trace = newest_trace(folder)
     ops = ops_by_time(trace)
     total = sum(seconds for _, seconds, _ in ops) or 1.0
     print(f"[podtrain] trace of {steps} steps in {trace}")
@@ -42,7 +44,7 @@ def profile(cfg: Config, steps: int = 3, top: int = 10) -> Path:
     for name, seconds, runs in ops[:top]:
         print(f"{seconds * 1e3:10.2f} {seconds / total:7.1%} {runs:6d}  {name}")
     print(
-        f"[podtrain] open it with `tensorboard --logdir {folder}` (the profile plugin, `pip install "
+        f"[podtrain] open it with `tensorboard --logdir {out}` (the profile plugin, `pip install "
         "tensorboard-plugin-profile`), or perfetto_trace.json.gz at https://ui.perfetto.dev"
     )
     return trace

@@ -275,6 +275,12 @@ def _size(folder: epath.Path) -> int:
     return sum(_size(p) if p.is_dir() else p.stat().length for p in folder.iterdir())
 
 
+def _committed(folder: epath.Path) -> float:
+    """When a step was committed: its folder's time, or in a bucket (whose folders have none) that of the
+    metadata orbax writes as it commits."""
+    return folder.stat().mtime or (folder / "_CHECKPOINT_METADATA").stat().mtime
+
+
 def describe(directory) -> list[dict]:
     """Each checkpoint's step, commit time, size, fingerprint of its checksums, and whether it
     verifies, restoring one item at a time onto this host's first device."""
@@ -290,7 +296,7 @@ def describe(directory) -> list[dict]:
         folder = epath.Path(checkpointer.directory) / str(step)
         row = {
             "step": step,
-            "time": datetime.fromtimestamp(folder.stat().mtime, UTC).isoformat(timespec="seconds"),
+            "time": datetime.fromtimestamp(_committed(folder), UTC).isoformat(timespec="seconds"),
             "bytes": _size(folder),
         }
         try:

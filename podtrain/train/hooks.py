@@ -8,10 +8,10 @@ and the last metrics, which `train` returns.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import jax
 
+from podtrain import storage
 from podtrain.config.load import default_config
 from podtrain.config.schema import Config
 from podtrain.errors import Preempted, TrainingDiverged
@@ -97,7 +97,7 @@ class TrainHooks:
         trainer.add_hook(self.advance_bar)
         trainer.add_hook(self.stop_if_asked)
         if t.profile_steps and jax.process_index() == 0:  # one trace file name per host
-            trace = Trace(Path(self.cfg.run_dir) / "profile", *t.profile_steps, self.start, self.goodput)
+            trace = Trace(storage.join(self.cfg.run_dir, "profile"), *t.profile_steps, self.start, self.goodput)
             trainer.add_hook(trace.after_step)
         trainer.add_hook(self.goodput.after_step)  # last: the step's time includes its other hooks
 

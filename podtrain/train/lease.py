@@ -8,11 +8,18 @@ Shared file systems may not carry the lock from host to host, so the file is a l
 names its holder (host, pid, since), and its modification time is a heartbeat, renewed every
 RENEW_S while the job runs; a job that ends clears it. A job on another host refuses a lease
 renewed within STALE_S and takes over an older one, whose holder died without clearing it.
+
+In a bucket, which has no locks, the lease is the object RUN_DIR/.lock alone, created only if
+absent (GCS if-generation-match=0, S3 If-None-Match), so of two jobs starting at once one wins. It
+records its holder and the time of its last renewal; a lease not renewed within STALE_S, or held
+by a process of this host that no longer runs (a job killed and restarted here), is replaced,
+again only if absent, and the job that ends deletes it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import socket
 import sys
@@ -21,6 +28,7 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.errors import RunInUse
 
 RENEW_S = 15
@@ -50,14 +58,14 @@ def _check(run_dir: Path, file) -> None:
 
 
 @contextmanager
-def _renewed(path: str):
-    """Touch `path` every RENEW_S while inside."""
+def _renewed(renew):
+    """Call `renew` every RENEW_S while inside."""
     stop = threading.Event()
 
     def beat():
         while not stop.wait(RENEW_S):
-            with suppress(OSError):  # a run directory removed under the job: nothing left to renew
-                os.utime(path)
+            with suppress(Exception):  # a run directory removed under the job, a bucket's hiccup: next beat
+                renew()
 
     thread = threading.Thread(target=beat, name="podtrain-lease", daemon=True)
     thread.start()
@@ -69,8 +77,12 @@ def _renewed(path: str):
 
 
 @contextmanager
-def hold(run_dir: Path):
-    run_dir.mkdir(parents=True, exist_ok=True)
+def hold(run_dir):
+    storage.makedirs(run_dir)
+    if storage.is_remote(run_dir):
+        with _held_in_bucket(run_dir):
+            yield
+        return
     with open(run_dir / ".lock", "a+") as file:
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -82,8 +94,57 @@ def hold(run_dir: Path):
         file.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         file.flush()
         try:
-            with _renewed(file.name):
+            with _renewed(lambda: os.utime(file.name)):
                 yield
         finally:
             file.truncate(0)  # no longer held
             fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _alive(holder: dict) -> bool:
+    """Whether a lease's holder may still run: another host's may, this host's only if its process does."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(holder.get("pid", 0)), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _take(fs, name: str, holder: dict) -> bool:
+    """Create the lease object if it is absent; whether this job now holds it."""
+    try:
+        fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode(), mode="create")
+        return True
+    except FileExistsError:
+        return False
+
+
+@contextmanager
+def _held_in_bucket(run_dir):
+    fs, name, holder = storage.filesystem(run_dir), f"{storage.key(run_dir).rstrip('/')}/.lock", _holder()
+    if not _take(fs, name, holder):
+        try:
+            other = json.loads(fs.cat_file(name))
+        except (FileNotFoundError, ValueError):  # ended meanwhile, or half of a foreign file: try once more
+            other = {"renewed": 0}
+        silent = time.time() - other.get("renewed", 0)
+        described = f"host {other.get('host')}, pid {other.get('pid')}, since {other.get('since')}"
+        if silent < STALE_S and _alive(other):
+            raise _in_use(run_dir, described, f"; its lease was renewed {silent:.0f} s ago")
+        print(f"[podtrain] taking over {run_dir} from a job that ended without clearing its lease ({described})")
+        with suppress(FileNotFoundError):
+            fs.rm_file(name)
+        if not _take(fs, name, holder):
+            raise _in_use(run_dir, "a job that took it over at the same moment")
+    try:
+        with _renewed(lambda: fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode())):
+            yield
+    finally:
+        with suppress(Exception):  # a bucket gone: the lease goes stale by itself
+            fs.rm_file(name)

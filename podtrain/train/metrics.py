@@ -1,6 +1,9 @@
 """Metrics to the loggers of `log.to`, written by process 0 only: RUN_DIR/metrics.jsonl,
 TensorBoard events in RUN_DIR, and Weights & Biases (podtrain.train.wandb_log).
 
+In a bucket, where an object cannot be appended to, these files are written in a local folder
+and copied to RUN_DIR every few seconds and at the end (podtrain.storage.Mirror).
+
 A resumed run continues the record of the step it resumed from: metrics.jsonl is rewritten
 without the lines past that step (logged before the run stopped, and about to be logged again),
 and TensorBoard is told to purge its events past it, so every step appears once. The last step
@@ -19,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.config.schema import Config
 from podtrain.train.wandb_log import WandbLog
 
@@ -53,10 +57,12 @@ class TensorBoard:
 class MetricsLog:
     def __init__(self, cfg: Config, start_step: int = 0, enabled: bool = True):
         self.sinks: list = []
+        self.mirror = None
         self.logged_past = start_step  # the last step logged before this run resumed at start_step
         if not enabled:
             return
-        run_dir = Path(cfg.run_dir)
+        self.mirror = storage.Mirror(cfg.run_dir, fetch=("metrics.jsonl", "wandb_id"))
+        run_dir = self.mirror.local
         path = run_dir / "metrics.jsonl"
         lines = _records(path)
         records = [json.loads(line) for line in lines]
@@ -91,10 +97,14 @@ class MetricsLog:
         }  # strict JSON
         for sink in self.sinks:
             sink.write(record, prefix)
+        if self.mirror:
+            self.mirror.sync()
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+        if self.mirror:
+            self.mirror.close()
 
 
 def _summary_writer(**kwargs):
@@ -126,4 +136,4 @@ def _parses(line: str) -> bool:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in _records(Path(run_dir) / "metrics.jsonl")]
+    return [json.loads(line) for line in _records(storage.path(run_dir) / "metrics.jsonl")]

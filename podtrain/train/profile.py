@@ -9,21 +9,25 @@ that starts at a run's first step holds its compilation too.
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 import jax
 from jax.profiler import ProfileData
 
+from podtrain import storage
 from podtrain.train.goodput import Goodput
 from podtrain.train.trainer import StepEnd
 
 
 class Trace:
-    """A hook tracing steps first..last; starting and stopping the trace is charged as `other`."""
+    """A hook tracing steps first..last into `folder` (local, or a bucket's: traced into a local
+    folder and copied there when the trace ends); starting and stopping it is charged as `other`."""
 
-    def __init__(self, folder: Path, first: int, last: int, start: int, goodput: Goodput):
-        self.folder, self.first, self.last, self.goodput = folder, first, last, goodput
+    def __init__(self, folder: str, first: int, last: int, start: int, goodput: Goodput):
+        self.out, self.first, self.last, self.goodput = folder, first, last, goodput
+        self.folder = Path(tempfile.mkdtemp(prefix="podtrain-trace-")) if storage.is_remote(folder) else Path(folder)
         self.on = False
         if first <= start + 1 <= last:  # the trace covers this run's first step
             self._begin()
@@ -41,6 +45,8 @@ class Trace:
             jax.block_until_ready(end.state)
             with self.goodput.charge("other"):
                 jax.profiler.stop_trace()
+                if storage.is_remote(self.out):
+                    storage.upload(self.folder, self.out)
             self.on = False
 
 

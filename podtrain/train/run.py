@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from podtrain import runtime
+from podtrain import runtime, storage
 from podtrain.config.checks import resolve_auto
 from podtrain.config.saved import run_config, save_config
 from podtrain.config.schema import Config, MeshConfig
@@ -48,12 +48,12 @@ class Run:
     @classmethod
     def of(cls, cfg: Config) -> Run:
         """The run a config trains into (it may not exist yet)."""
-        return cls(Path(cfg.run_dir), cfg)
+        return cls(storage.path(cfg.run_dir), cfg)
 
     @classmethod
     def at(cls, run_dir: str | Path) -> Run:
         """An existing run, with the config it was trained with."""
-        return cls(Path(run_dir), run_config(run_dir))
+        return cls(storage.path(run_dir), run_config(run_dir))
 
     @property
     def exists(self) -> bool:
@@ -90,7 +90,7 @@ class Run:
 
     def keep(self, cfg: Config, tokenizer=None) -> None:
         """Write config.yaml and a copy of the tokenizer (process 0 only)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        storage.makedirs(self.dir)
         save_config(cfg, self.dir / "config.yaml")
         if tokenizer is not None and tokenizer.file:
             keep_tokenizer(tokenizer, self.dir / self.TOKENIZER)

@@ -12,7 +12,13 @@ import dataclasses
 import secrets
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.config.schema import Config
+
+
+def _name(run_dir: str) -> str:
+    """The run directory's own name (of `.` too), the W&B run's default name."""
+    return storage.path(run_dir).name if storage.is_remote(run_dir) else Path(run_dir).resolve().name
 
 
 class WandbLog:
@@ -26,7 +32,7 @@ class WandbLog:
         log = cfg.log
         self.run = wandb.init(
             project=log.wandb_project,
-            name=log.wandb_name or run_dir.resolve().name,
+            name=log.wandb_name or _name(cfg.run_dir),
             tags=log.wandb_tags,
             config=dataclasses.asdict(cfg),
             id=run_id,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from podtrain import storage
 from podtrain.errors import CheckpointError, ConfigError
 from podtrain.train.digest import leaf_name
 
@@ -44,8 +45,9 @@ FLAT, AS_IS = 0, None
 
 
 def hf_folder(source: str) -> Path:
-    """A local folder with config.json and safetensors, or a hub model's files fetched into the HF cache."""
-    path = Path(source)
+    """A local folder with config.json and safetensors, a bucket's folder copied into this host's
+    cache, or a hub model's files fetched into the HF cache."""
+    path = storage.local_copy(source)
     if not path.is_dir():
         if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
             raise ConfigError(
