@@ -1,11 +1,13 @@
 """Real storage servers on 127.0.0.1 for tests and benchmarks: fake-gcs-server for gs://, moto for s3://,
 and a proxy that slows, fails or drops their requests.
 
-In a test module: `from buckets import gcs, s3, faulty_proxy  # noqa: F401`. `gcs` and `s3` give a fresh
-bucket (`.name`, `.path` = gs://NAME) on a server shared by the whole process (started at first use,
-killed when pytest ends); the bucket also reads as its server (`.url`, `.env`, `.stop()`, `.start()`,
-`.make_bucket()`). The fixtures set the server's `env` with monkeypatch, so processes a test starts
-reach the server too. In a script: `with gcs_server() as server: point_at(server.env)`.
+In a test module: `pytest_plugins = ["buckets"]`, for the fixtures `gcs`, `s3` and `faulty_proxy`. `gcs`
+and `s3` give a fresh bucket (`.name`, `.path` = gs://NAME) on a server shared by the whole process
+(started at first use, killed when pytest ends); the bucket also reads as its server (`.url`, `.env`,
+`.stop()`, `.start()`, `.make_bucket()`). The fixtures set the server's `env` with monkeypatch, so
+processes a test starts reach the server too. `faulty_proxy(gcs, fail_every=3)` puts a FaultyProxy
+between them. In a script: `with gcs_server() as server, FaultyProxy(server, delay=0.02) as proxy:
+point_at(proxy.env)`.
 
 Restarts: `stop()` kills a server as a crash would, `start()` brings it back on the same port.
 fake-gcs-server keeps its objects in a folder and has them again; moto keeps everything in memory and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import importlib.util
 import itertools
 import json
 import os
@@ -47,7 +50,11 @@ class _Server:
             self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
         self._process = None
         self._names = itertools.count(1)
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def env(self) -> dict[str, str]:
@@ -205,21 +212,20 @@ def point_at(env: dict[str, str], monkeypatch: pytest.MonkeyPatch | None = None)
     """Points this process, and those it starts, at a server: sets `env` in os.environ, and where fsspec
     and gcsfs read it only once, at import; and forgets the file systems made for another server. With a
     test's `monkeypatch` all of it is undone at the test's end; without, it stays (a script)."""
-    patch = monkeypatch or pytest.MonkeyPatch()
-    for name, value in env.items():
-        patch.setenv(name, value)
     import fsspec.config
     from fsspec.registry import _registry
 
-    for name, value in env.items():
-        if name.startswith("FSSPEC_"):  # FSSPEC_<PROTOCOL>_<ARGUMENT>
-            _, protocol, argument = name.lower().split("_", 2)
-            patch.setitem(fsspec.config.conf.setdefault(protocol, {}), argument, value)
-    if env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT") == "false":
-        from gcsfs.core import GCSFileSystem
+    patch = monkeypatch or pytest.MonkeyPatch()
+    if env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT") == "false" and importlib.util.find_spec("gcsfs"):
+        from gcsfs.core import GCSFileSystem  # before the setenv: gcsfs picks its GCSFileSystem at import, for good
 
         for protocol in GCSFileSystem.protocol:
             patch.setitem(_registry, protocol, GCSFileSystem)
+    for name, value in env.items():
+        patch.setenv(name, value)
+        if name.startswith("FSSPEC_"):  # FSSPEC_<PROTOCOL>_<ARGUMENT>
+            _, protocol, argument = name.lower().split("_", 2)
+            patch.setitem(fsspec.config.conf.setdefault(protocol, {}), argument, value)
     forget_filesystems()
 
 
@@ -257,8 +263,8 @@ class FaultyProxy:
         handler = type("Handler", (_Forward,), {"proxy": self})
         self._httpd = _QuietServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self._httpd.server_port}"
-        serve = lambda: self._httpd.serve_forever(poll_interval=0.02)  # noqa: E731 - close() waits a poll at most
-        threading.Thread(target=serve, name="FaultyProxy", daemon=True).start()
+        # poll_interval: close() waits one poll at most
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     @property
     def env(self) -> dict[str, str]:

@@ -105,9 +105,9 @@ class TokenStream:
 
 
 @functools.lru_cache(maxsize=CACHE_BLOCKS)
-def _block(url: str, index: int) -> bytes:
-    """Bytes [index x BLOCK, (index + 1) x BLOCK) of an object, one range request (fewer at its end)."""
-    return storage.filesystem(url).cat_file(storage.key(url), index * BLOCK, (index + 1) * BLOCK)
+def _block(url: str, index: int, size: int) -> bytes:
+    """Bytes [index x BLOCK, (index + 1) x BLOCK) of an object of `size` bytes, in one range request."""
+    return storage.filesystem(url).cat_file(storage.key(url), start=index * BLOCK, end=min((index + 1) * BLOCK, size))
 
 
 class RemoteShard:
@@ -115,8 +115,8 @@ class RemoteShard:
     byte range, in blocks of BLOCK bytes kept in a per-process cache of CACHE_BLOCKS."""
 
     def __init__(self, url: str):
-        self.url = url
-        head = io.BytesIO(_block(url, 0))
+        self.url, self.size = url, storage.filesystem(url).size(storage.key(url))
+        head = io.BytesIO(_block(url, 0, self.size))
         version = np.lib.format.read_magic(head)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         (self.length,), _, self.dtype = read_header(head)
@@ -130,6 +130,6 @@ class RemoteShard:
         start, stop = self.offset + lo * self.dtype.itemsize, self.offset + hi * self.dtype.itemsize
         if stop <= start:
             return np.zeros(0, self.dtype)
-        data = b"".join(_block(self.url, i) for i in range(start // BLOCK, (stop - 1) // BLOCK + 1))
+        data = b"".join(_block(self.url, i, self.size) for i in range(start // BLOCK, (stop - 1) // BLOCK + 1))
         first = start - start // BLOCK * BLOCK
         return np.frombuffer(data[first : first + stop - start], self.dtype)
