@@ -159,3 +159,18 @@ def test_convert_writes_to_and_reads_from_a_bucket_every_tensor_equal(gcs, tmp_p
         np.testing.assert_array_equal(there[name], tensor)
         np.testing.assert_array_equal(again[name], tensor)
     assert storage.path(f"{hf}/config.json").is_file() and not [f for f in _files(tmp_path) if f.startswith("gs:")]
+
+
+def test_a_step_a_save_left_incomplete_in_a_bucket_is_never_restored(gcs, tmp_path, monkeypatch, capsys):
+    """A save cut short (the store or the job dying) leaves a step's folder without orbax's commit
+    marker: resuming passes it by for the newest complete step, and training ends as if uninterrupted."""
+    monkeypatch.chdir(tmp_path)
+    run, fs = f"{gcs.path}/run", fsspec.filesystem("gs")
+    job = [*RUN, "checkpoint.every=2", "train.warmup_steps=2", "train.min_lr_ratio=1.0"]
+    assert main(["train", *job, "train.steps=4", f"run_dir={run}"]) == 0
+    fs.rm(f"{gcs.name}/run/checkpoints/4/commit_success.txt")  # written last of a step, as it commits
+    assert main(["train", *job, "train.steps=6", f"run_dir={run}"]) == 0
+    assert "resuming from step 2" in capsys.readouterr().out
+    assert main(["train", *job, "train.steps=6", f"run_dir={tmp_path}/local"]) == 0
+    remote, expected = _losses(run), _losses(str(tmp_path / "local"))
+    np.testing.assert_allclose([remote[s] for s in expected], list(expected.values()), rtol=0, atol=1e-6)

@@ -2,7 +2,7 @@
 TensorBoard events in RUN_DIR, and Weights & Biases (podtrain.train.wandb_log).
 
 In a bucket, where an object cannot be appended to, these files are written in a local folder
-and copied to RUN_DIR every few seconds and at the end (podtrain.storage.Mirror).
+and copied to RUN_DIR every few seconds, at each checkpoint and at the end (podtrain.storage.Mirror).
 
 A resumed run continues the record of the step it resumed from: metrics.jsonl is rewritten
 without the lines past that step (logged before the run stopped, and about to be logged again),
@@ -99,6 +99,11 @@ class MetricsLog:
             sink.write(record, prefix)
         if self.mirror:
             self.mirror.sync()
+
+    def flush(self) -> None:
+        """Every record so far in RUN_DIR, at once (each checkpoint's step)."""
+        if self.mirror:
+            self.mirror.sync(force=True)
 
     def close(self) -> None:
         for sink in self.sinks:
