@@ -8,11 +8,20 @@ A 1.1B-parameter step does not fit this machine's memory with AdamW, so next to 
 stands the rate one H100 would consume at 50% MFU (6N FLOPs per token at 989 TFLOP/s).
 
     .venv/bin/python bench/data_throughput.py [--copies 40] [--batches 40]
+
+With `--path gs://BUCKET/DIR` (or s3://), the same shards are also copied into a bucket on a
+fake-gcs-server (or moto) started on 127.0.0.1 behind a proxy that adds `--delay-ms` (20) to every
+request, and the loader reads them from there at the tiny and smollm recipes' batch shapes: its
+tokens/s against the local shards', side by side in this process, and the requests per batch.
+
+    .venv/bin/python bench/data_throughput.py --path gs://bench/shards [--delay-ms 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +33,7 @@ from podtrain.config.load import load_config
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
+from podtrain.runtime.devices import hide_absent_tpu
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
 from podtrain.train.tasks.language import LanguageTask
@@ -68,11 +78,51 @@ def step_rate(cfg, mesh, steps: int) -> float:
     return steps * job.tokens_per_step / (time.perf_counter() - start)
 
 
+def bucket_against_local(work: Path, path: str, delay_ms: float, batches: int, prefetch: int, repeats: int) -> None:
+    """The loader's tokens/s on shards in a bucket behind a slow proxy, against the same shards on disk."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from podtrain import storage
+
+    from buckets import FaultyProxy, GCSServer, S3Server, point_at
+
+    server = (GCSServer if storage.scheme(path) == "gs" else S3Server)()
+    with server, FaultyProxy(server, delay=delay_ms / 1e3) as proxy:
+        point_at(proxy.env)
+        server.make_bucket(storage.key(path).split("/")[0])
+        storage.upload(work / "tokens", path, last=("manifest.json",))
+        for recipe, extra in (
+            ("tiny.yaml", ["model.vocab_size=4096"]),
+            ("smollm_360m.yaml", ["model.vocab_size=4096", "data.dataset_name=null"]),
+        ):
+            ratios, requests = [], 0.0
+            for _ in range(repeats):  # local and bucket in turn: the machine's drift falls on both
+                rates = {}
+                for where in (str(work / "tokens"), path):
+                    overrides = ["data.source=tokens", f"data.path={where}", "device_type=cpu", *extra]
+                    cfg = resolve_auto(load_config(CONFIGS / recipe, overrides), "cpu")
+                    task = LanguageTask(cfg, build_mesh(cfg.mesh, jax.devices()))
+                    proxy.reset()
+                    rates[where] = loader_rate(task, batches, workers=0, prefetch=prefetch)
+                    requests = proxy.requests / (batches + 1)
+                ratios.append(rates[path] / rates[str(work / "tokens")])
+            print(
+                f"{recipe:17} batch {cfg.train.batch_size} x {cfg.train.seq_len}: {path} (+{delay_ms:g} ms a request) "
+                f"against local shards: {min(ratios):.2f}x min, {statistics.median(ratios):.2f}x median, "
+                f"{max(ratios):.2f}x max of {repeats}; last local {rates[str(work / 'tokens')]:,.0f} tokens/s; "
+                f"{requests:.2f} requests a batch once cached"
+            )
+
+
 def main() -> None:
+    hide_absent_tpu()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--copies", type=int, default=40, help="copies of the pydoc corpus to prepare (40: about 6M tokens)")
     p.add_argument("--batches", type=int, default=40)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--path", help="gs://BUCKET/DIR or s3://BUCKET/DIR: also read the shards from a loopback bucket")
+    p.add_argument("--delay-ms", type=float, default=20.0, help="added to every request to the bucket")
+    p.add_argument("--repeats", type=int, default=5, help="bucket against local, measured in turn")
+    p.add_argument("--prefetch", type=int, default=2, help="batches read ahead, each by a thread")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="podtrain-data-bench-"))
     tokenizer = fit_bpe(pydoc_documents(), 4096, work / "tok")
@@ -83,6 +133,9 @@ def main() -> None:
         f"prepare: {manifest['documents']:,} documents, "
         f"{manifest['train_tokens'] + manifest['val_tokens']:,} tokens at {manifest['tokens_per_sec']:,.0f} tokens/s"
     )
+    if args.path:
+        bucket_against_local(work, args.path, args.delay_ms, args.batches, args.prefetch, args.repeats)
+        return
 
     data = ["data.source=tokens", f"data.path={work / 'tokens'}"]
     for recipe, extra in (("tiny.yaml", ["model.vocab_size=4096"]), ("llama_1b.yaml", [])):

@@ -110,17 +110,25 @@ def _block(url: str, index: int, size: int) -> bytes:
     return storage.filesystem(url).cat_file(storage.key(url), start=index * BLOCK, end=min((index + 1) * BLOCK, size))
 
 
+@functools.cache
+def _layout(url: str) -> tuple[int, int, np.dtype, int]:
+    """(object bytes, tokens, dtype, where the tokens start) of a `.npy` in a bucket, read once per process
+    (the loader's threads and workers make copies of the stream)."""
+    size = storage.filesystem(url).size(storage.key(url))
+    head = io.BytesIO(_block(url, 0, size))
+    version = np.lib.format.read_magic(head)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    (length,), _, dtype = read_header(head)
+    return size, length, dtype, head.tell()
+
+
 class RemoteShard:
     """A 1-D `.npy` in a bucket, sliced like the memory map of a local one: each slice is read by
     byte range, in blocks of BLOCK bytes kept in a per-process cache of CACHE_BLOCKS."""
 
     def __init__(self, url: str):
-        self.url, self.size = url, storage.filesystem(url).size(storage.key(url))
-        head = io.BytesIO(_block(url, 0, self.size))
-        version = np.lib.format.read_magic(head)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        (self.length,), _, self.dtype = read_header(head)
-        self.offset = head.tell()
+        self.url = url
+        self.size, self.length, self.dtype, self.offset = _layout(url)
 
     def __len__(self) -> int:
         return self.length
@@ -130,6 +138,6 @@ class RemoteShard:
         start, stop = self.offset + lo * self.dtype.itemsize, self.offset + hi * self.dtype.itemsize
         if stop <= start:
             return np.zeros(0, self.dtype)
-        data = b"".join(_block(self.url, i, self.size) for i in range(start // BLOCK, (stop - 1) // BLOCK + 1))
-        first = start - start // BLOCK * BLOCK
-        return np.frombuffer(data[first : first + stop - start], self.dtype)
+        blocks = [_block(self.url, i, self.size) for i in range(start // BLOCK, (stop - 1) // BLOCK + 1)]
+        data = blocks[0] if len(blocks) == 1 else b"".join(blocks)  # one block, most windows: no copy
+        return np.frombuffer(data, self.dtype, count=hi - lo, offset=start % BLOCK)
