@@ -39,6 +39,13 @@ class DiskFull(CheckpointError):
     """A checkpoint the disk had no room for."""
 
 
+class SaveFailed(CheckpointError):
+    """A checkpoint the storage failed to write (a bucket unreachable through every retry). The earlier
+    checkpoints are intact and rerunning resumes from them: EX_TEMPFAIL, "try again", as for Preempted."""
+
+    exit_code = 75
+
+
 class DistributedError(PodtrainError):
     """A half-set multi-process environment, or processes that cannot join each other."""
 

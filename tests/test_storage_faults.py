@@ -135,3 +135,31 @@ def test_requests_that_fail_or_drop_are_retried_and_the_run_is_unchanged(gcs, fa
     local = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "local") if "loss" in r}
     assert remote == pytest.approx(local, abs=1e-6) and list(remote) == list(range(1, 7))
     print(f"through the proxy: {proxy.counts()}")
+
+
+def test_the_server_dying_during_saves_leaves_only_complete_checkpoints(gcs, tmp_path, monkeypatch):
+    """The store is killed while a job saves every step, and comes back 5 s later: the job goes on
+    (its requests retried) or stops; rerun, it ends with every loss of an uninterrupted run, and
+    every checkpoint the bucket calls complete verifies."""
+    monkeypatch.chdir(tmp_path)
+    job = ["train", *SMALL, *QUIET, *CONSTANT_LR, "train.steps=16", "checkpoint.every=1", "checkpoint.keep=16"]
+    fs = fsspec.filesystem("gs")
+    first = _podtrain([*job, f"run_dir={gcs.path}/run"], gcs.env, tmp_path)
+    deadline = time.monotonic() + 300
+    while not _committed(fs, gcs.name, "run"):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.1)
+    gcs.stop()
+    time.sleep(5)
+    gcs.start()
+    output = first.communicate(timeout=600)[0]
+    assert "Traceback" not in output, output[-3000:]
+    again = _podtrain([*job, f"run_dir={gcs.path}/run"], gcs.env, tmp_path)
+    output += again.communicate(timeout=600)[0]
+    assert again.returncode == 0, output[-3000:]
+    assert main(["checkpoints", f"{gcs.path}/run"]) == 0  # each listed step verifies
+    assert main([*job, f"run_dir={tmp_path}/local"]) == 0
+    remote = {r["step"]: r["loss"] for r in read_metrics(f"{gcs.path}/run") if "loss" in r}
+    local = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "local") if "loss" in r}
+    assert remote == pytest.approx(local, abs=1e-5), output[-3000:]  # one device there, eight here
+    print(f"first attempt: exit {first.returncode}; committed steps {_committed(fs, gcs.name, 'run')}")

@@ -29,7 +29,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podtrain.errors import CheckpointError
+from podtrain import storage
+from podtrain.errors import CheckpointError, SaveFailed
 from podtrain.train import disk
 from podtrain.train.digest import checksums, fingerprint, leaf_name
 from podtrain.train.orbax_quiet import quiet_orbax
@@ -153,10 +154,18 @@ class Checkpointer:
 
     @contextmanager
     def _writing(self):
-        """A full disk under the pending save becomes one paragraph, not orbax's tracebacks."""
+        """A full disk, or a bucket that failed through every retry, under the pending save becomes one
+        paragraph, not orbax's tracebacks."""
         try:
             yield
         except Exception as e:
+            if storage.is_remote(self.directory) and not isinstance(e, CheckpointError):
+                intact = self.latest_step()
+                raise SaveFailed(
+                    f"The checkpoint of step {self.pending} could not be written to {self.directory}: "
+                    f"{_first_line(e)}. It was never marked complete; the newest complete checkpoint is step {intact}. Run the same "
+                    "command again to resume from it once the storage answers."
+                ) from None
             if not disk.is_full(e):
                 raise
             if jax.process_index() == 0:
