@@ -163,8 +163,8 @@ class Checkpointer:
                 intact = self.latest_step()
                 raise SaveFailed(
                     f"The checkpoint of step {self.pending} could not be written to {self.directory}: "
-                    f"{_first_line(e)}. It was never marked complete; the newest complete checkpoint is step {intact}. Run the same "
-                    "command again to resume from it once the storage answers."
+                    f"{_first_line(e)}. It was never marked complete; the newest complete checkpoint is step "
+                    f"{intact}. Run the same command again to resume from it once the storage answers."
                 ) from None
             if not disk.is_full(e):
                 raise
