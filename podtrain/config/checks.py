@@ -20,7 +20,8 @@ DATA_FOLDERS = {  # what data.path must name for each source that reads one
 
 def check_paths(cfg: Config) -> None:
     """Each path is local or in a bucket podtrain serves; checkpoint arrays go where orbax writes them."""
-    for value in (cfg.run_dir, cfg.checkpoint.dir, cfg.data.path, cfg.data.tokenizer, cfg.train.init_from):
+    paths = (cfg.run_dir, cfg.checkpoint.dir, cfg.data.path, cfg.data.tokenizer, cfg.train.init_from, cfg.compile_cache)
+    for value in paths:
         if value:
             storage.scheme(value)
     if storage.scheme(cfg.checkpoint_dir) == "s3":

@@ -272,7 +272,9 @@ class Config:
         "auto", "the devices to run on (auto: TPU, then GPU, then CPU); a forced one that is absent is an error"
     )
     compile_cache: str = key(
-        "auto", "where compiled programs are kept for later runs: auto ($XDG_CACHE_HOME or ~/.cache), a folder, or off"
+        "auto",
+        "where compiled programs are kept for later runs: auto ($XDG_CACHE_HOME or ~/.cache), a folder (gs:// too), "
+        "or off",
     )
     run_dir: str = key("runs/default", "the run's folder: config.yaml, metrics, events, checkpoints")
     seed: int = key(0, "seed of the initial weights and the data order", ">= 0")

@@ -155,8 +155,8 @@ def read_csv(
     rated >= min_rating, chosen in a first pass so that the file's millions of rows stay on disk."""
 
     def rows():
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
+        with storage.path(path).open("rb") as f:  # local or in a bucket, streamed
+            reader = csv.reader(io.TextIOWrapper(f, encoding="utf-8", newline=""))
             next(reader, None)
             for line, row in enumerate(reader, start=2):
                 if len(row) != 4 or len(row[1]) != 81 or len(row[2]) != 81 or not row[3].isdigit():
@@ -276,7 +276,7 @@ def build(
                 "--source csv needs --csv DIR, a folder with train.csv and test.csv in the Sudoku-Extreme format."
             )
         files = {
-            split: download_csv(split) if source == "hub" else Path(csv_dir) / f"{split}.csv"
+            split: download_csv(split) if source == "hub" else storage.join(csv_dir, f"{split}.csv")
             for split in ("train", "test")
         }
         train = read_csv(files["train"], n_train, min_rating, seed)

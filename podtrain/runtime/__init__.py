@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
+from podtrain import storage
 from podtrain.config.schema import Config
 from podtrain.runtime import chips, distributed
 from podtrain.runtime import devices as devices_lib
@@ -36,13 +37,14 @@ class Runtime:
 def use_compile_cache(setting: str) -> None:
     """JAX's persistent compilation cache: a program compiled once on this machine (same JAX, same
     devices, same flags) is read from disk by every later run, resume, process and sample.
-    `setting` is auto, a folder, or off."""
+    `setting` is auto, a folder (a bucket's too: JAX reads it through etils epath), or off."""
     if setting == "off":
         return
-    folder = (
-        Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "podtrain" / "xla" if setting == "auto" else Path(setting)
-    )
-    jax.config.update("jax_compilation_cache_dir", str(folder.expanduser()))
+    if setting == "auto":
+        folder = str(Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "podtrain" / "xla")
+    else:
+        folder = str(storage.path(setting)) if storage.is_remote(setting) else str(Path(setting).expanduser())
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # not the many trivial programs
     jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)  # least recently used entries go beyond it
 

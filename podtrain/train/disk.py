@@ -13,6 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
+from podtrain import storage
 from podtrain.errors import DiskFull
 
 
@@ -33,7 +34,7 @@ def is_full(error: BaseException | None) -> bool:
 def free_bytes(directory: str) -> int | None:
     """Free bytes on the file system of a local directory (or of its nearest existing parent);
     None for remote storage (gs://...), where podtrain cannot tell."""
-    if "://" in directory:
+    if storage.is_remote(directory):
         return None
     path = Path(directory)
     while not path.exists():
@@ -60,7 +61,7 @@ def short_of_space(directory: str, needed: int, step: int) -> str | None:
 def remove_partial(directory: str, step: int) -> None:
     """The folder a failed save left (orbax writes a step into <step>.orbax-checkpoint-tmp...):
     nothing in it can be restored, and its room is what the next save needs."""
-    if "://" not in directory:
+    if not storage.is_remote(directory):
         for folder in Path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
             # The failed save's other writes may still land in it for a moment: remove until gone.
             deadline = time.monotonic() + 10

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import closing, nullcontext
-from pathlib import Path
 
 import jax
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from podtrain import storage
 from podtrain.config.saved import differences
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError, ConfigError
@@ -38,7 +38,7 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
             abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
             return checkpointer.restore(abstract, set_aside=True, say=say)
         except CheckpointMismatch as e:
-            saved = Path(cfg.run_dir) / "config.yaml"
+            saved = storage.path(cfg.run_dir) / "config.yaml"
             changed = (
                 [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
             )
@@ -59,12 +59,12 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
 def initial_weights(source: str, abstract_params, cfg: Config):
     """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
     a Hugging Face checkpoint (a folder or a hub name), checked against this config's sizes."""
-    if (Path(source) / "config.yaml").is_file():
+    if (storage.path(source) / "config.yaml").is_file():
         checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
         try:
             return checkpointer.restore_weights(abstract_params)[1]
         except CheckpointMismatch as e:
-            changed = [d for d in differences(Path(source) / "config.yaml", cfg) if d.startswith("model.")]
+            changed = [d for d in differences(storage.path(source) / "config.yaml", cfg) if d.startswith("model.")]
             raise CheckpointError(
                 f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; "
                 "give this run the same model keys."
