@@ -78,6 +78,78 @@ def test_the_loss_mask_covers_exactly_the_assistants_tokens(tokenizer, tmp_path,
     assert ours.decode(tokens) == renderer(CONVERSATIONS[0])  # the whole conversation, nothing dropped
 
 
+# Qwen3's way with reasoning, in a few lines: a reply's "<think>...</think>" is kept after the last
+# user question and dropped before it, so a whole conversation renders its earlier turns otherwise.
+DROPS_REASONING = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}{% if m.role == 'assistant' %}{% set content = m.content %}"
+    "{% if loop.index0 < ns.last %}{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _trained(tokenizer, messages):
+    tokens, trained = chat.encode(tokenizer, chat.Renderer.of(tokenizer), messages)
+    return chat.trained_pieces(tokenizer, tokens, trained), tokenizer.decode(tokens[: np.argmax(trained)])
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "hello"}],
+        [
+            {"role": "system", "content": "Always answer: I don't know."},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "I don't know."},
+        ],
+    ],
+)
+def test_a_reply_that_repeats_earlier_text_is_trained_where_it_is_said(tokenizer, messages):
+    pieces, untrained = _trained(tokenizer, messages)
+    assert pieces == [messages[-1]["content"] + "<|im_end|>\n"]
+    assert untrained.endswith("<|im_start|>assistant\n")  # nothing of the prompt turns is trained
+
+
+def test_every_kind_of_conversation_trains_exactly_its_assistant_turns(tokenizer, tmp_path):
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": ""},  # a reply that is only a tool call, say
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "5"},
+    ]
+    assert _trained(tokenizer, turns)[0] == ["<|im_end|>\n", "5<|im_end|>\n", "5<|im_end|>\n"]
+    reasoning = with_template(tokenizer, DROPS_REASONING, tmp_path)
+    thought = [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "<think>greet</think> hello"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "<think>repeat</think> hello"},
+    ]
+    text, spans = chat.Renderer.of(reasoning).assistant_spans(thought)
+    assert "greet" not in text and [text[a:b] for a, b in spans] == [
+        "hello<|im_end|>\n",
+        "<think>repeat</think> hello<|im_end|>\n",
+    ]
+
+
+def test_data_chat_shows_the_trained_text_of_each_conversation(tokenizer, tmp_path, capsys):
+    from podtrain.cli import main
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS[1:]))
+    folder = str(tokenizer.file.parent)
+    assert main(["data", "chat", str(path), "--tokenizer", folder, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["trained"] for r in rows] == [["Hello there!<|im_end|>\n"], ["cba<|im_end|>\n"]]
+    assert main(["data", "chat", str(path), "--tokenizer", folder, "--show"]) == 0
+    assert "<|im_start|>assistant\n«Hello there!<|im_end|>\n»" in capsys.readouterr().out
+
+
 def test_packed_conversations_score_as_each_alone(tokenizer, small_overrides):
     """Two conversations packed in one row: each token's loss is the one it has alone (segment
     ids keep them apart), and the row's loss is the mean over both conversations' assistant tokens."""
@@ -116,8 +188,8 @@ def test_bad_chat_files_and_tokenizers_are_clear_errors(tokenizer, tmp_path):
     plain = fit_bpe(["some text"] * 3, 280, tmp_path / "plain")
     with pytest.raises(DataError, match="has none"):
         chat.chat_template(plain)
-    renderer = chat.Renderer("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", {})
-    with pytest.raises(DataError, match="does not write assistant reply 1"):
+    renderer = chat.Renderer("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}", {})
+    with pytest.raises(DataError, match="does not write assistant turn 1"):  # a count after the turns: no prefix
         renderer.assistant_spans(CONVERSATIONS[1])
     assert jax.devices()  # the errors came before any device was needed
 

@@ -6,8 +6,8 @@ conversations never attend to each other.
 A packed row is (3, seq_len + 1) int32: TOKENS, SEGMENTS (1, 2, ... per conversation, 0 for
 padding) and TRAINED (1 where the token is part of an assistant reply, its end-of-turn marker
 included). Which characters are the assistant's comes from rendering each conversation up to a
-reply with and without it (as transformers' templates mean them to be used); the tokens whose
-first character lies in one are trained.
+reply with and without it (as transformers' templates mean them to be used), never from searching
+the text for the reply; the tokens whose first character lies in one are trained.
 """
 
 from __future__ import annotations
@@ -68,28 +68,43 @@ class Renderer:
         return self.template.render(messages=messages, add_generation_prompt=generation_prompt, **self.special)
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the (start, end) characters of each assistant reply in it:
-        its content, and the end-of-turn text the template writes after it where the whole
-        conversation has it too (a template may render earlier turns otherwise than the last)."""
-        text, spans, cursor = self(messages), [], 0
+        """The rendered conversation and the (start, end) characters of each assistant turn in it, taken
+        from the template's own renderings, never by searching the text: a turn is what the conversation
+        rendered up to it adds to the conversation rendered up to its generation prompt (the reply and
+        its end-of-turn text). Where the whole conversation renders an earlier turn otherwise (Qwen3
+        drops the reasoning of turns before the last question), the turn's place is found by rendering
+        the conversation with its content replaced by a marker no conversation holds."""
+        text, spans = self(messages), []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            content = message["content"]
-            reply = self(messages[: i + 1])[len(self(messages[:i], generation_prompt=True)) :]
-            start = text.find(content, cursor)
-            if not content or start < 0 or content not in reply:
-                raise DataError(
-                    f"The chat template does not write assistant reply {i} ({content[:40]!r}) as it is; "
-                    "data.format=chat cannot tell which tokens to train."
-                )
-            end = start + len(content)
-            closing = reply[reply.index(content) + len(content) :]
-            if text.startswith(closing, end):
-                end += len(closing)
-            spans.append((start, end))
-            cursor = end
+            before, upto = self(messages[:i], generation_prompt=True), self(messages[: i + 1])
+            if not upto.startswith(before):
+                raise _unwritable(i, message)
+            spans.append((len(before), len(upto)) if text.startswith(upto) else self._rewritten(messages, i, text))
         return text, spans
+
+    def _rewritten(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
+        """Turn i of a conversation whose full rendering writes it otherwise than the rendering up to it."""
+        marked = [*messages[:i], {**messages[i], "content": MARK}]
+        alone, whole = self(marked), self([*marked, *messages[i + 1 :]])
+        start, closing = whole.find(MARK), alone[alone.find(MARK) + len(MARK) :]  # the turn's end-of-turn text
+        rest = whole[start + len(MARK) :]
+        if MARK not in alone or start < 0 or text[:start] != whole[:start] or not text.endswith(rest):
+            raise _unwritable(i, messages[i])
+        end = len(text) - len(rest)
+        return start, end + len(closing) if text.startswith(closing, end) else end
+
+
+# Private-use characters: in no conversation, and written as they are by any template that writes content.
+MARK = "\ue000podtrain-turn\ue001"
+
+
+def _unwritable(i: int, message: dict) -> DataError:
+    return DataError(
+        f"The chat template does not write assistant turn {i} ({str(message.get('content'))[:40]!r}) as a piece of "
+        "the conversation of its own; data.format=chat cannot tell which tokens to train."
+    )
 
 
 def read_conversations(path: str) -> list[list[dict]]:
@@ -125,6 +140,26 @@ def encode(tokenizer, renderer: Renderer, messages: list[dict]) -> tuple[np.ndar
     for start, end in spans:
         trained |= (starts >= start) & (starts < end)
     return np.asarray(encoding.ids, np.int32), trained
+
+
+def _runs(trained: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of trained tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], trained.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def trained_pieces(tokenizer, tokens: np.ndarray, trained: np.ndarray) -> list[str]:
+    """The text of each run of trained tokens, in order."""
+    return [tokenizer.decode(tokens[start:end]) for start, end in _runs(trained)]
+
+
+def marked(tokenizer, tokens: np.ndarray, trained: np.ndarray) -> str:
+    """The conversation's text with each trained run between « and »."""
+    out, at = [], 0
+    for start, end in _runs(trained):
+        out += [tokenizer.decode(tokens[at:start]), "«", tokenizer.decode(tokens[start:end]), "»"]
+        at = end
+    return "".join([*out, tokenizer.decode(tokens[at:])])
 
 
 def pack(examples: list[tuple[np.ndarray, np.ndarray]], length: int, pad_id: int) -> tuple[np.ndarray, int]:

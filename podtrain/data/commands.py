@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
-from podtrain.data import sudoku
+from podtrain.data import chat, sudoku
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import fit_bpe, load_tokenizer
@@ -30,6 +31,20 @@ def _tokenizer(args) -> None:
         f"[podtrain] wrote {args.out}/tokenizer.json: byte-level BPE, {tokenizer.vocab_size:,} tokens, EOS "
         f"{tokenizer.eos_id}"
     )
+
+
+def _chat(args) -> None:
+    tokenizer = load_tokenizer(args.tokenizer)
+    renderer = chat.Renderer.of(tokenizer)
+    for number, messages in enumerate(chat.read_conversations(args.path), 1):
+        tokens, trained = chat.encode(tokenizer, renderer, messages)
+        pieces = chat.trained_pieces(tokenizer, tokens, trained)
+        if args.json:
+            print(json.dumps({"conversation": number, "tokens": len(tokens), "trained": pieces}, ensure_ascii=False))
+            continue
+        print(f"conversation {number}: {len(tokens)} tokens, {int(trained.sum())} trained")
+        if args.show:
+            print(chat.marked(tokenizer, tokens, trained))
 
 
 def _prepare(args) -> None:
@@ -147,3 +162,19 @@ def add_data_commands(sub) -> None:
         "--shard-docs", type=int, default=20_000, help="documents per shard: the unit an interrupted prepare keeps"
     )
     pr.set_defaults(func=_prepare)
+
+    ch = kinds.add_parser(
+        "chat",
+        help="show which tokens of chat conversations data.format=chat trains",
+        description=(
+            "Renders each conversation of a JSONL file (or folder) with the tokenizer's chat template and marks the "
+            "tokens the loss is taken on: the assistant's turns, their end-of-turn text included."
+        ),
+    )
+    ch.add_argument("path", help='a JSONL file of {"messages": [...]} conversations, or a folder of them')
+    ch.add_argument(
+        "--tokenizer", required=True, help="a folder with tokenizer.json and a chat template, or a hub name"
+    )
+    ch.add_argument("--json", action="store_true", help="one JSON object a conversation: its text and trained pieces")
+    ch.add_argument("--show", action="store_true", help="each conversation with its trained text between « and »")
+    ch.set_defaults(func=_chat)
