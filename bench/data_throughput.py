@@ -12,7 +12,9 @@ stands the rate one H100 would consume at 50% MFU (6N FLOPs per token at 989 TFL
 With `--path gs://BUCKET/DIR` (or s3://), the same shards are also copied into a bucket on a
 fake-gcs-server (or moto) started on 127.0.0.1 behind a proxy that adds `--delay-ms` (20) to every
 request, and the loader reads them from there at the tiny and smollm recipes' batch shapes: its
-tokens/s against the local shards', side by side in this process, and the requests per batch.
+tokens/s against the local shards', side by side in this process, and the requests per batch; then
+the smollm batch from a corpus larger than the block cache (a cache of one 64 KiB block), where
+every row waits on a request.
 
     .venv/bin/python bench/data_throughput.py --path gs://bench/shards [--delay-ms 20]
 """
@@ -20,6 +22,7 @@ tokens/s against the local shards', side by side in this process, and the reques
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -30,6 +33,7 @@ from pathlib import Path
 import jax
 from podtrain.config.checks import resolve_auto
 from podtrain.config.load import load_config
+from podtrain.data import tokens
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
@@ -110,6 +114,20 @@ def bucket_against_local(work: Path, path: str, delay_ms: float, batches: int, p
                 f"against local shards: {min(ratios):.2f}x min, {statistics.median(ratios):.2f}x median, "
                 f"{max(ratios):.2f}x max of {repeats}; last local {rates[str(work / 'tokens')]:,.0f} tokens/s; "
                 f"{requests:.2f} requests a batch once cached"
+            )
+        # A corpus larger than the block cache, as a cache of one 64 KiB block makes this one: every row
+        # waits on a request; rows are read REMOTE_READERS at a time, `prefetch` batches at once.
+        tokens._block = functools.lru_cache(maxsize=1)(tokens._block.__wrapped__)
+        tokens.BLOCK, tokens.CACHE_BLOCKS = 1 << 16, 1
+        for prefetch in (2, 8):
+            overrides = ["data.source=tokens", f"data.path={path}", "device_type=cpu", "model.vocab_size=4096"]
+            cfg = load_config(CONFIGS / "smollm_360m.yaml", [*overrides, "data.dataset_name=null"])
+            task = LanguageTask(resolve_auto(cfg, "cpu"), build_mesh(cfg.mesh, jax.devices()))
+            proxy.reset()
+            rate = loader_rate(task, max(4, batches // 30), workers=0, prefetch=prefetch)
+            print(
+                f"smollm_360m.yaml  beyond the block cache, data.prefetch={prefetch}: {rate:,.0f} tokens/s, "
+                f"{proxy.requests / (max(4, batches // 30) + 1):.0f} requests a batch"
             )
 
 

@@ -174,3 +174,29 @@ def test_a_step_a_save_left_incomplete_in_a_bucket_is_never_restored(gcs, tmp_pa
     assert main(["train", *job, "train.steps=6", f"run_dir={tmp_path}/local"]) == 0
     remote, expected = _losses(run), _losses(str(tmp_path / "local"))
     np.testing.assert_allclose([remote[s] for s in expected], list(expected.values()), rtol=0, atol=1e-6)
+
+
+def test_rows_that_may_wait_on_a_bucket_are_read_by_threads_and_come_out_in_order(gcs, monkeypatch):
+    from podtrain.data import tokens
+    from podtrain.data.loader import REMOTE_READERS, LocalRows, train_windows
+
+    corpus = np.arange(50_000, dtype=np.uint16)
+    storage.write_bytes(f"{gcs.path}/train-00000.npy", _npy(corpus))
+    monkeypatch.setattr(tokens, "BLOCK", 4096)  # 25 blocks of which the cache holds one:
+    monkeypatch.setattr(tokens, "CACHE_BLOCKS", 1)  # the corpus is larger than the block cache
+    stream = tokens.TokenStream([f"{gcs.path}/train-00000.npy"], [len(corpus)])
+    assert stream.beyond_cache and not tokens.TokenStream(["local.npy"], [len(corpus)]).beyond_cache
+    windows, _ = train_windows(stream, 32, 8, seed=0)
+    one, many = (LocalRows(windows, 8, np.arange(8), readers) for readers in (1, REMOTE_READERS))
+    for batch in range(5):
+        np.testing.assert_array_equal(many(batch), one(batch))
+    in_memory, _ = train_windows(corpus, 32, 8, seed=0)
+    np.testing.assert_array_equal(one(3), LocalRows(in_memory, 8, np.arange(8))(3))
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()

@@ -10,8 +10,10 @@ joins the processes' rows into one global batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grain
@@ -20,6 +22,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from podtrain.errors import DataError, MeshError
+
+# Threads reading a batch's rows where each may wait on a request (shards in a bucket beyond the block
+# cache): up to 16 requests in flight. Rows from memory are read in turn: handing one to a thread costs more.
+REMOTE_READERS = 16
+
+
+@functools.cache
+def _reading_pool(threads: int) -> ThreadPoolExecutor:
+    """One pool a process (a loader worker has its own), kept: starting threads per batch costs more than a
+    cached batch takes to read."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="podtrain-rows")
 
 
 def _count_windows(tokens: np.ndarray, seq_len: int, batch_size: int, split: str) -> int:
@@ -80,13 +93,20 @@ class LocalRows:
     windows: grain.MapDataset
     per_batch: int
     offsets: np.ndarray  # of this process's rows within a batch
+    readers: int = 1  # threads reading a batch's rows at once: many where each row may wait on a bucket
 
     def ids(self, batch: int) -> np.ndarray:
         return batch * self.per_batch + self.offsets
 
+    def _read(self, i) -> np.ndarray:
+        return self.windows[int(i)]
+
     def __call__(self, batch: int) -> np.ndarray:
         ids = self.ids(batch)
-        examples = np.stack([self.windows[int(i)] for i in ids.ravel()])
+        if self.readers > 1:
+            examples = np.stack(list(_reading_pool(self.readers).map(self._read, ids.ravel())))
+        else:
+            examples = np.stack([self._read(i) for i in ids.ravel()])
         return examples.reshape(*ids.shape, *examples.shape[1:])
 
 
@@ -104,12 +124,14 @@ class BatchReader:
         shape: tuple[int, ...],
         axis: int,
         epoch_size: int | None = None,
+        readers: int = 1,
     ):
         self.windows, self.sharding, self.shape, self.epoch_size = windows, sharding, tuple(shape), epoch_size
         self.per_batch = math.prod(shape[: axis + 1])
         rows = process_rows(sharding, self.shape, axis)
         leading = np.arange(math.prod(shape[:axis]))[:, None] * shape[axis]
-        self.local = LocalRows(windows, self.per_batch, (leading + rows[None, :]).reshape(*shape[:axis], len(rows)))
+        offsets = (leading + rows[None, :]).reshape(*shape[:axis], len(rows))
+        self.local = LocalRows(windows, self.per_batch, offsets, readers)
 
     def __len__(self) -> int:
         return len(self.windows) // self.per_batch

@@ -62,8 +62,8 @@ class TokenStream:
     """The tokens of one split of prepared shards as one sequence: its length and slices of it.
     Shards are opened lazily, so the stream pickles as its file names (for loader workers)."""
 
-    def __init__(self, files: list[Path], sizes: list[int]):
-        self.files, self.ends = [str(f) for f in files], np.cumsum([0, *sizes])
+    def __init__(self, files: list[Path], sizes: list[int], itemsize: int = 2):
+        self.files, self.ends, self.itemsize = [str(f) for f in files], np.cumsum([0, *sizes]), itemsize
         self._arrays = None
 
     @classmethod
@@ -72,6 +72,7 @@ class TokenStream:
         return cls(
             [shard_file(storage.path(folder), split, s["index"]) for s in shards],
             [s[f"{split}_tokens"] for s in shards],
+            np.dtype(manifest["dtype"]).itemsize,
         )
 
     def __getstate__(self) -> dict:
@@ -79,6 +80,13 @@ class TokenStream:
 
     def __len__(self) -> int:
         return int(self.ends[-1])
+
+    @property
+    def beyond_cache(self) -> bool:
+        """Whether reading a window may wait on a request after the first pass: shards in a bucket
+        larger than the block cache."""
+        remote = any(storage.is_remote(f) for f in self.files)
+        return remote and len(self) * self.itemsize > CACHE_BLOCKS * BLOCK
 
     def _shards(self) -> list[np.ndarray]:
         if self._arrays is None:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from podtrain.config.schema import Config, TrainConfig, key
 from podtrain.data import chat
-from podtrain.data.loader import BatchReader, eval_windows, in_order, shuffled, train_windows
+from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
 from podtrain.sharding import batch_sharding, context_order
@@ -213,12 +213,18 @@ class LanguageTask(Task):
             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); "
             f"an epoch is {n // t.batch_size:,} steps"
         )
-        self.batches = BatchReader(windows, self.train_batch.sharding, self.train_batch.shape, axis=1, epoch_size=n)
+        readers = [
+            REMOTE_READERS if getattr(tokens, "beyond_cache", False) else 1 for tokens in (train_tokens, val_tokens)
+        ]
+        self.batches = BatchReader(
+            windows, self.train_batch.sharding, self.train_batch.shape, axis=1, epoch_size=n, readers=readers[0]
+        )
         self.eval_batches = BatchReader(
             eval_windows(val_tokens, t.seq_len, t.batch_size, t.eval_batches),
             batch_sharding(mesh),
             (t.batch_size, t.seq_len + 1),
             axis=0,
+            readers=readers[1],
         )
 
     def _read_chat(self, mesh: Mesh) -> None:
