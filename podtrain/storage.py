@@ -135,7 +135,9 @@ def local_copy(p: str | os.PathLike) -> Path:
     target = cache_root() / "buckets" / scheme(p) / name
     record = target.parent / f".{target.name}.listing"
     if not (record.is_file() and record.read_text() == stamp and target.exists()):
-        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        if target.is_dir():
+            shutil.rmtree(target)
+        target.unlink(missing_ok=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         for remote in listing:
             local = target / os.path.relpath(remote, name) if folder else target
@@ -256,7 +258,8 @@ def explain(error: BaseException, where: str | os.PathLike | None = None) -> Sto
     lowered = text.lower()
     if "nosuchbucket" in lowered or "bucket does not exist" in lowered or "specified bucket does not" in lowered:
         return StorageError(f"{place}the bucket does not exist. Create it, or check the bucket's name in the path.")
-    if isinstance(error, PermissionError) or "403" in text or "accessdenied" in lowered or "forbidden" in lowered:
+    refused = isinstance(error, PermissionError) or getattr(error, "code", None) in (401, 403)
+    if refused or "accessdenied" in lowered or "forbidden" in lowered:
         return StorageError(
             f"{place}access refused ({_short(error)}). Check that the credentials in use may read and write this "
             "bucket (roles/storage.objectAdmin on GCS; s3:GetObject, PutObject, ListBucket, DeleteObject on S3)."
