@@ -274,6 +274,21 @@ def explain(error: BaseException, where: str | os.PathLike | None = None) -> Sto
     return None
 
 
+def failed(error: BaseException | None) -> bool:
+    """Whether an error, or one it arose from, is a bucket's request that failed through every retry:
+    raised by gcsfs, s3fs or the HTTP clients under them, or a file the store lost (a restarted
+    server forgets an upload in progress: FileNotFoundError of its URL)."""
+    while error is not None:
+        library = type(error).__module__.split(".")[0]
+        if library in _CLIENTS or (isinstance(error, FileNotFoundError) and "://" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+_CLIENTS = ("gcsfs", "s3fs", "aiohttp", "botocore", "aiobotocore", "google")
+
+
 def _short(error: BaseException) -> str:
     line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return line[:200]

@@ -200,3 +200,20 @@ def _npy(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
+
+def test_orbax_records_of_a_save_the_bucket_failed_are_left_to_the_one_paragraph(caplog):
+    """A restarted server forgets an upload in progress; orbax logs the failure with its traceback from
+    each thread it passes, and podtrain reports it once (errors.SaveFailed), so those records go."""
+    import logging
+
+    from podtrain.train.orbax_quiet import quiet_orbax
+
+    quiet_orbax()
+    logger = logging.getLogger("absl")
+    for error in (FileNotFoundError("http://127.0.0.1:9/upload/storage/v1/b/bkt/o?upload_id=1"), ValueError("a bug")):
+        try:
+            raise error
+        except Exception:
+            logger.error("Failed to run 3 Handler Commit operations: %s", type(error).__name__, exc_info=True)
+    assert [r.getMessage() for r in caplog.records] == ["Failed to run 3 Handler Commit operations: ValueError"]

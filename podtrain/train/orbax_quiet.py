@@ -11,8 +11,9 @@ reads), which leaves the failed restore to be reported alone.
 A full disk: orbax logs each failed write with its traceback and tensorstore spec (hundreds of
 lines); podtrain reports it once (podtrain.train.disk). A save cut short by a kill leaves a
 temporary folder, which orbax replaces with a warning when the resumed run saves that step again. A
-bucket that fails a save through every retry: orbax logs the failed write with its traceback;
-podtrain reports it once (podtrain.errors.SaveFailed). Those records are dropped at orbax's logger.
+bucket that fails a save through every retry: orbax logs the failure with its traceback from each
+thread it passes through; podtrain reports it once (podtrain.errors.SaveFailed). Those records are
+dropped at orbax's logger.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 
 from orbax.checkpoint._src import asyncio_utils
 
+from podtrain import storage
 from podtrain.train import disk
 
 
@@ -37,15 +39,11 @@ def _run_to_the_end(coro):
         loop.close()
 
 
-# orbax's records of a step it replaces, and of a save the storage failed (podtrain.errors.SaveFailed).
-_REPORTED = ("Removing existing directory since it is not finalized", "Failed to write metadata")
-
-
 class _Handled(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        full = disk.is_full(record.exc_info[1] if record.exc_info else None) or disk.says_full(message)
-        return not (full or any(reported in message for reported in _REPORTED))
+        message, error = record.getMessage(), record.exc_info[1] if record.exc_info else None
+        full = disk.is_full(error) or disk.says_full(message)
+        return not (full or storage.failed(error) or "Removing existing directory since it is not finalized" in message)
 
 
 def quiet_orbax() -> None:
