@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from podtrain import storage
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
 
@@ -56,17 +56,11 @@ def _launch(args) -> int:
             "Give the command to launch after `--`, e.g. `podtrain launch --nproc 2 -- train configs/tiny.yaml`."
         )
     cfg = _config(_parse(command)) if command[0] == "train" else None
-    from podtrain import storage
-
-    # The processes' logs grow line by line: beside a local run, and in a local folder for a bucket's.
-    log_dir = args.log_dir or (
-        Path(cfg.run_dir) / "logs" if cfg and not storage.is_remote(cfg.run_dir) else "runs/launch"
-    )
     if command[0] in args.commands:  # a podtrain command
         command = [sys.executable, "-m", "podtrain", *command]
     options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts")
-    where = cfg.checkpoint_dir if cfg else None  # names the step a restart resumes from
-    return launch(command, Path(log_dir), checkpoint_dir=where, **{name: getattr(args, name) for name in options})
+    where = {"run_dir": cfg.run_dir, "checkpoint_dir": cfg.checkpoint_dir} if cfg else {}
+    return launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options})
 
 
 def _generate(args) -> None:
@@ -344,16 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"podtrain: {e}", file=sys.stderr)
         return e.exit_code
-    except PodtrainError as e:
-        print(f"podtrain: error: {e}", file=sys.stderr)
-        return e.exit_code
     except KeyboardInterrupt:
         print("podtrain: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        from podtrain.storage import explain  # a bucket that could not be reached or used, whatever raised it
-
-        if (explained := explain(e)) is None:
+    except Exception as e:  # the user's to fix: podtrain's errors, and a bucket's, whatever raised them
+        if (error := e if isinstance(e, PodtrainError) else storage.explain(e)) is None:
             raise
-        print(f"podtrain: error: {explained}", file=sys.stderr)
-        return explained.exit_code
+        print(f"podtrain: error: {error}", file=sys.stderr)
+        return error.exit_code

@@ -142,7 +142,7 @@ def _wait(processes: list[_Process]) -> _Process | None:
 
 def launch(
     argv: list[str],
-    log_dir: Path,
+    log_dir: str | None,
     nproc: int,
     devices_per_proc: int | None = None,
     nnodes: int = 1,
@@ -150,11 +150,14 @@ def launch(
     coordinator: str | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | None = None,
+    run_dir: str | None = None,
 ) -> int:
     """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
     restarting the job up to max_restarts times (see the module's docstring; `checkpoint_dir`, where
-    known, names the step a restart resumes from). Returns 0 when all succeed, 75 when they stopped
-    on request, else the exit status of the first to fail."""
+    known, names the step a restart resumes from). Each process's output goes to `log_dir`, by
+    default RUN_DIR/logs of a local run and runs/launch otherwise (a log grows line by line, which an
+    object in a bucket cannot). Returns 0 when all succeed, 75 when they stopped on request, else the
+    exit status of the first to fail."""
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0:
         raise ConfigError(
             f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}, --max-restarts={max_restarts}: "
@@ -166,6 +169,8 @@ def launch(
             "reach (or MASTER_ADDR and MASTER_PORT)."
         )
     gpus = gpus_per_process(nproc, devices_per_proc)
+    local_run = run_dir and not storage.is_remote(run_dir)
+    log_dir = Path(log_dir or (Path(run_dir) / "logs" if local_run else "runs/launch"))
     log_dir.mkdir(parents=True, exist_ok=True)
     count, base, lock = nnodes * nproc, dict(os.environ), threading.Lock()
     print(f"[launch] {nproc} of {count} processes on this node, logs in {log_dir}/", flush=True)
