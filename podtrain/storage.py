@@ -18,7 +18,6 @@ no credentials, no server) into one paragraph naming the path and what to check.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -183,8 +182,7 @@ class Mirror:
             self.local = Path(run_dir)
             self.local.mkdir(parents=True, exist_ok=True)
             return
-        digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
-        self.local = Path(tempfile.mkdtemp(prefix=f"podtrain-run-{digest}-"))
+        self.local = Path(tempfile.mkdtemp(prefix="podtrain-run-"))
         for name in fetch:  # what a resumed run continues
             if (self.remote / name).is_file():
                 (self.local / name).write_bytes((self.remote / name).read_bytes())
