@@ -8,6 +8,7 @@ import sys
 from podtrain import storage
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
+from podtrain.tools.launch import add_launch_command
 
 # Flags from the setup guides, each an alias of one config key.
 FLAG_ALIASES = {
@@ -58,7 +59,8 @@ def _launch(args) -> int:
     cfg = _config(_parse(command)) if command[0] == "train" else None
     if command[0] in args.commands:  # a podtrain command
         command = [sys.executable, "-m", "podtrain", *command]
-    options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts")
+    options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts", "min_nproc")
+    options += ("slot_check", "rejoin_timeout")
     where = {"run_dir": cfg.run_dir, "checkpoint_dir": cfg.checkpoint_dir} if cfg else {}
     return launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options})
 
@@ -190,30 +192,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_data_commands(sub)
 
-    la = sub.add_parser(
-        "launch",
-        help="run a command as several processes of one job on this machine",
-        description=(
-            "Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with "
-            "the variables that join them; "
-            "stream their output with a rank prefix; stop them all if one fails (and restart, with --max-restarts)."
-        ),
-    )
-    la.add_argument("--nproc", type=int, required=True, help="processes on this node")
-    la.add_argument(
-        "--devices-per-proc",
-        type=int,
-        help="fake CPU devices per process on CPU; GPUs per process on a GPU node (default: an equal share)",
-    )
-    la.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs its own launch)")
-    la.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    la.add_argument("--coordinator", help="HOST:PORT of node 0 (default: 127.0.0.1 and a free port, for one node)")
-    la.add_argument("--log-dir", help="where process_<rank>.log go (default: RUN_DIR/logs for train, else runs/launch)")
-    la.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restarts after a failure (not exit 2/75)")
-    la.add_argument(
-        "command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs"
-    )
-    la.set_defaults(func=_launch)
+    add_launch_command(sub, _launch)
 
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     g.add_argument("run_dir")
@@ -334,10 +313,10 @@ def main(argv: list[str] | None = None) -> int:
 
         hide_absent_tpu()
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
     except Preempted as e:
         print(f"podtrain: {e}", file=sys.stderr)
-        return e.exit_code
+        code = e.exit_code
     except KeyboardInterrupt:
         print("podtrain: interrupted", file=sys.stderr)
         return 130
@@ -346,3 +325,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"podtrain: error: {error}", file=sys.stderr)
         return error.exit_code
+    if peers := sys.modules.get("podtrain.runtime.peers"):  # a command that joined other processes
+        peers.leave()  # every one of them got this far: they leave together
+    return code

@@ -51,10 +51,11 @@ class DistributedError(PodtrainError):
 
 
 class PeerLost(DistributedError):
-    """Another process of the job died mid-collective. Nothing here is the user's to fix and a
-    restart recovers, so the exit code is an ordinary failure's (1), which `launch --max-restarts` restarts."""
+    """Another process of the job was lost. Nothing here is the user's to fix and a restart on the
+    processes left recovers: an exit code of its own that asks for one, distinct from an error (2)
+    and from a requested stop (75)."""
 
-    exit_code = 1
+    exit_code = 76
 
 
 class Preempted(PodtrainError):

@@ -10,15 +10,15 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from podtrain.config.schema import MeshConfig
+from podtrain.config.schema import DistributedConfig, MeshConfig
 from podtrain.data.loader import BatchReader, train_windows
-from podtrain.runtime import distributed
+from podtrain.runtime import distributed, peers
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import batch_sharding
 
 SEQ, ACCUM, MICRO, STEPS = 4, 2, 4, 3
 
-distributed.initialize(timeout=60)
+distributed.initialize(DistributedConfig(init_timeout=60))
 mesh = build_mesh(MeshConfig(data=2, fsdp=2, tensor=2), jax.devices())
 windows, _ = train_windows(np.arange(1000, dtype=np.int32), SEQ, ACCUM * MICRO, seed=0)
 reader = BatchReader(windows, batch_sharding(mesh, leading=1), (ACCUM, MICRO, SEQ + 1), axis=1)
@@ -31,3 +31,4 @@ for step in range(STEPS):
     )
     np.testing.assert_array_equal(whole, expected)
 Path(sys.argv[1], f"process_{jax.process_index()}.json").write_text(json.dumps(read))
+peers.leave()  # with the others: process 0 hosts the coordination service

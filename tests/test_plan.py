@@ -141,7 +141,7 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     assert rows == plans + errors  # the meshes that cannot run come last
     assert {(c["mesh.data"], c["mesh.fsdp"]) for c, _ in errors} == {(4, 1), (2, 2), (1, 4)} and len(errors) == 9
     for _, why in errors:
-        assert "microbatch of 2 sequences" in why and "the 4 data-parallel shards" in why, why
+        assert "microbatches of 2 sequences" in why and "the 4 data-parallel devices" in why, why
     assert len(plans) == 9 and all(p.fits for _, p in plans)
     speeds = [p.tokens_per_sec for _, p in plans]
     assert all(v > 0 for v in speeds) and speeds == sorted(speeds, reverse=True)

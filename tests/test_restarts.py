@@ -65,7 +65,8 @@ def test_a_killed_process_restarts_the_job_which_ends_as_if_uninterrupted(tmp_pa
     assert "Traceback" not in output  # the survivor says in one line that it lost a peer, if anything
     started = [int(pid) for pid in re.findall(r"\[launch\] process \d: pid (\d+)", output)]
     assert len(started) == 4 and not [pid for pid in started if _alive(pid)]
-    restart = re.search(r"process 1 ended with signal SIGKILL; restarting the job from step (\d+), its newest", output)
+    assert "process 1 ended with signal SIGKILL\n" in output
+    restart = re.search(r"restarting the job on 2 processes from step (\d+), its newest", output)
     assert restart and "(restart 1 of 2, 1 left)" in output, output[-3000:]
     resumed = int(restart[1])
     assert f"resuming from step {resumed}" in output and STEPS > resumed >= 2

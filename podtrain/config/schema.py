@@ -190,7 +190,17 @@ class TrainConfig:
         0.1, "HRM/TRM: sign-SGD's decoupled weight decay of the puzzle embedding", ">= 0"
     )
     grad_clip: float = key(1.0, "global gradient-norm clip (0: off)", ">= 0")
-    grad_accum: int = key(1, "microbatches per step, their gradients summed inside the step", ">= 1")
+    grad_accum: int = key(
+        1,
+        "microbatches per step, their gradients summed inside the step; more where the devices need it",
+        ">= 1",
+    )
+    device_batch: int = key(
+        0,
+        "most sequences a device takes per microbatch, the accumulation following the devices (on fewer, "
+        "more microbatches; the global batch unchanged); 0: no limit",
+        ">= 0",
+    )
     init_from: str = key(
         "", "start from these weights (a podtrain run_dir, or a Hugging Face Llama folder or hub name)"
     )
@@ -256,6 +266,10 @@ class LogConfig:
 @dataclass
 class DistributedConfig:
     init_timeout: int = key(300, "seconds for all processes to join the coordinator", ">= 1")
+    heartbeat_timeout: int = key(
+        10, "seconds without a heartbeat after which a process is lost and the others stop to be restarted", ">= 2"
+    )
+    shutdown_timeout: int = key(120, "seconds a finished process waits for the others to finish too", ">= 1")
 
 
 @dataclass

@@ -53,7 +53,7 @@ def start(cfg: Config, announce: bool = True) -> Runtime:
     use_compile_cache(cfg.compile_cache)
     devices_lib.hide_absent_tpu()
     clock = time.perf_counter()
-    procs = distributed.initialize(cfg.distributed.init_timeout)
+    procs = distributed.initialize(cfg.distributed)
     join_s = time.perf_counter() - clock
     devices = devices_lib.select_devices(cfg.device_type)
     mesh = mesh_lib.build_mesh(cfg.mesh, devices)

@@ -18,8 +18,11 @@ import threading
 from dataclasses import dataclass
 
 import jax
+from jax._src.distributed import global_state  # the client, for the watchdog; jax exposes no other handle
 
+from podtrain.config.schema import DistributedConfig
 from podtrain.errors import DistributedError, PeerLost
+from podtrain.runtime import peers
 
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_INDEX")
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NODE_RANK", "NPROC_PER_NODE")
@@ -180,33 +183,41 @@ def _deadline(seconds: int, procs: Processes | None):
 _joined: Processes | None = None  # jax.distributed joins once per process
 
 
-def initialize(timeout: int, environ=os.environ) -> Processes | None:
-    """Join the job's other processes (before any JAX computation). Returns them, or None when alone."""
+def initialize(settings: DistributedConfig, environ=os.environ) -> Processes | None:
+    """Join the job's other processes (before any JAX computation), and watch them: a lost one ends
+    this process within seconds (podtrain.runtime.peers). Returns them, or None when alone."""
     global _joined
     if jax.distributed.is_initialized():
         return _joined
+    timeout = settings.init_timeout
+    service = {
+        "initialization_timeout": timeout + JAX_GRACE_S,
+        "heartbeat_timeout_seconds": settings.heartbeat_timeout,
+        "shutdown_timeout_seconds": settings.shutdown_timeout,
+    }
+    jax.config.update("jax_enable_recoverability", True)  # a lost process is recorded, not fatal to the others
     procs = from_environment(environ)
     if procs is None:
-        procs = _initialize_detected(timeout)
+        procs = _initialize_detected(timeout, service)
     elif procs.count > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         with _deadline(timeout, procs):
             jax.distributed.initialize(
-                procs.coordinator,
-                procs.count,
-                procs.index,
-                local_device_ids=procs.local_device_ids,
-                initialization_timeout=timeout + JAX_GRACE_S,
+                procs.coordinator, procs.count, procs.index, local_device_ids=procs.local_device_ids, **service
             )
+    if procs is not None and procs.count > 1:
+        peers.watch(
+            global_state.client, procs.index, procs.count, settings.heartbeat_timeout, settings.shutdown_timeout
+        )
     _joined = procs
     return procs
 
 
-def _initialize_detected(timeout: int) -> Processes | None:
+def _initialize_detected(timeout: int, service: dict) -> Processes | None:
     """Let jax.distributed detect a cluster (SLURM, Open MPI, TPU pod, Kubernetes); None if it finds none."""
     try:
         with _deadline(timeout, None):
-            jax.distributed.initialize(initialization_timeout=timeout + JAX_GRACE_S)
+            jax.distributed.initialize(**service)
     except ValueError as e:
         if "coordinator_address" in str(e):  # no cluster environment found
             return None
@@ -224,13 +235,13 @@ def _initialize_detected(timeout: int) -> Processes | None:
 @contextlib.contextmanager
 def peer_loss_in_one_line():
     """A collective that fails because another process of the job died ends this process with one
-    line instead of JAX's traceback: the launch names the process that died (and restarts the job
-    where asked to), so the survivors have only that to say."""
+    paragraph instead of JAX's traceback: the watchdog's, which names the process lost."""
     try:
         yield
     except Exception as e:  # JAX's runtime error in a step, a ValueError in orbax's barrier
         if jax.process_count() == 1 or not any(words in str(e) for words in PEER_GONE):
             raise
+        peers.await_verdict()  # the watchdog names the lost process and ends this one
         raise PeerLost(
             f"process {jax.process_index()} of {jax.process_count()} lost another process of the job "
             f"({str(e).strip().splitlines()[0][:160]}). Rerun the job to resume from its newest checkpoint, or launch "

@@ -12,10 +12,18 @@ can fix is killed whole and started again, up to N times, on a fresh coordinator
 resumes from the newest intact checkpoint by itself. A user error (exit 2) is not restarted, nor a
 stop on request (75), which is passed on. Each process of the k-th restart gets PODTRAIN_RESTART=k
 (training records the restarts and the steps they recompute in metrics.jsonl).
+
+Elastic, with min_nproc M < N: each of the N slots (a process's place: its GPUs, or its fake CPU
+devices) may be checked by a command (`--slot-check`, run with PODTRAIN_SLOT and the slot's
+CUDA_VISIBLE_DEVICES; exit 0 when the slot can run a process). After a loss the job restarts on
+the slots that pass within `--rejoin-timeout` seconds, as long as there are at least M; while it
+runs on fewer than N, a slot that passes again makes the job save and stop (as on SIGTERM) and
+start again on N. Training keeps its global batch on any count (train.grad_accum adapts).
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import signal
@@ -30,6 +38,7 @@ from podtrain import storage
 from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 STOP_GRACE_S = 5
+CHECK_EVERY_S = 2  # between slot checks while the job runs short of slots
 
 
 def free_port() -> int:
@@ -94,6 +103,31 @@ def resume_point(checkpoint_dir: str | None) -> str:
     return f"step {max(steps)}, its newest checkpoint" if steps else "step 0 (no checkpoint yet)"
 
 
+class Slots:
+    """The N places of this node's processes, and which of them can run one now."""
+
+    def __init__(self, n: int, check: str | None, env_of):
+        self.n, self.check, self.env_of = n, check, env_of
+
+    def ready(self, slot: int) -> bool:
+        if not self.check:
+            return True
+        env = {**self.env_of(slot), "PODTRAIN_SLOT": str(slot)}
+        try:
+            return subprocess.run(self.check, shell=True, env=env, capture_output=True, timeout=30).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def gather(self, timeout: float) -> list[int]:
+        """The slots ready once all are, or those ready after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = [slot for slot in range(self.n) if self.ready(slot)]
+            if len(ready) == self.n or time.monotonic() > deadline:
+                return ready
+            time.sleep(1)
+
+
 class _Process:
     """One child, its output streamed with a `[rank]` prefix to stdout and to its log file."""
 
@@ -129,14 +163,22 @@ def _stop(processes: list[_Process], grace: float = STOP_GRACE_S) -> None:
         p.reader.join(timeout=STOP_GRACE_S)
 
 
-def _wait(processes: list[_Process]) -> _Process | None:
+def _wait(processes: list[_Process], grow=None) -> _Process | None:
     """The first process to fail, or None once all have succeeded or stopped on request. Of those
-    found failed at once, one killed by a signal is taken first: the others' errors follow from it."""
+    found failed at once, one killed by a signal is taken first: the others' errors follow from it.
+    `grow() -> bool`, asked every few seconds: True asks the processes to save and stop."""
+    check = time.monotonic() + CHECK_EVERY_S
     while True:
         codes = [p.popen.poll() for p in processes]
         failed = [p for p, code in zip(processes, codes) if code not in (None, 0, Preempted.exit_code)]
         if failed or None not in codes:
             return min(failed, key=lambda p: p.popen.returncode >= 0, default=None)
+        if grow is not None and time.monotonic() > check:
+            check = time.monotonic() + CHECK_EVERY_S
+            if grow():
+                grow = None
+                for p in processes:
+                    p.popen.send_signal(signal.SIGTERM)
         time.sleep(0.1)
 
 
@@ -151,29 +193,40 @@ def launch(
     max_restarts: int = 0,
     checkpoint_dir: str | None = None,
     run_dir: str | None = None,
+    min_nproc: int | None = None,
+    slot_check: str | None = None,
+    rejoin_timeout: float = 60,
 ) -> int:
     """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
-    restarting the job up to max_restarts times (see the module's docstring; `checkpoint_dir`, where
-    known, names the step a restart resumes from). Each process's output goes to `log_dir`, by
-    default RUN_DIR/logs of a local run and runs/launch otherwise (a log grows line by line, which an
-    object in a bucket cannot). Returns 0 when all succeed, 75 when they stopped on request, else the
-    exit status of the first to fail."""
-    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0:
+    restarting the job up to max_restarts times, on as few as min_nproc of the slots (see the
+    module's docstring; `checkpoint_dir`, where known, names the step a restart resumes from). Each
+    process's output goes to `log_dir`, by default RUN_DIR/logs of a local run and runs/launch
+    otherwise (a log grows line by line, which an object in a bucket cannot). Returns 0 when all
+    succeed, 75 when they stopped on request, else the exit status of the first to fail."""
+    min_nproc = nproc if min_nproc is None else min_nproc
+    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0 or not 1 <= min_nproc <= nproc:
         raise ConfigError(
-            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}, --max-restarts={max_restarts}: "
-            "need nproc >= 1, nnodes >= 1, 0 <= node-rank < nnodes and max-restarts >= 0."
+            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}, --max-restarts={max_restarts}, "
+            f"--min-nproc={min_nproc}: need nproc >= 1, nnodes >= 1, 0 <= node-rank < nnodes, max-restarts >= 0 "
+            "and 1 <= min-nproc <= nproc."
         )
     if nnodes > 1 and not coordinator:
         raise ConfigError(
             "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can "
             "reach (or MASTER_ADDR and MASTER_PORT)."
         )
+    if nnodes > 1 and min_nproc < nproc:
+        raise ConfigError(
+            "--min-nproc shrinks a job on one node; across nodes, let the scheduler restart the job on the hosts "
+            "it has (docs/multihost.md shows how)."
+        )
     gpus = gpus_per_process(nproc, devices_per_proc)
     local_run = run_dir and not storage.is_remote(run_dir)
     log_dir = Path(log_dir or (Path(run_dir) / "logs" if local_run else "runs/launch"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    count, base, lock = nnodes * nproc, dict(os.environ), threading.Lock()
-    print(f"[launch] {nproc} of {count} processes on this node, logs in {log_dir}/", flush=True)
+    base, lock = dict(os.environ), threading.Lock()
+    slots = Slots(nproc, slot_check, lambda slot: child_env(base, "", 0, 0, slot, devices_per_proc, gpus))
+    print(f"[launch] {nproc} of {nnodes * nproc} processes on this node, logs in {log_dir}/", flush=True)
     processes: list[_Process] = []  # the running attempt's
     asked: list[int] = []
 
@@ -192,36 +245,92 @@ def launch(
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
 
+    def back() -> bool:
+        returned = [slot for slot in range(nproc) if slot not in running and slots.ready(slot)]
+        if returned:
+            say(f"slot {', '.join(map(str, returned))} can run a process again; the job saves and grows")
+        return bool(returned)
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    running, attempt, restart = list(range(nproc)), 0, 0
     try:
-        for restart in range(max_restarts + 1):
+        while True:
             address = coordinator or f"127.0.0.1:{free_port()}"  # a fresh port: the old one may linger
-            for local_rank in range(nproc):
-                rank = node_rank * nproc + local_rank
-                env = child_env(base, address, count, rank, local_rank, devices_per_proc, gpus, restart)
-                processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock, restart > 0))
+            count = nnodes * len(running)  # fewer than nproc only on one node
+            for index, slot in enumerate(running):
+                rank = node_rank * nproc + index
+                env = child_env(base, address, count, rank, slot, devices_per_proc, gpus, attempt)
+                processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock, attempt > 0))
                 print(f"[launch] process {rank}: pid {processes[-1].popen.pid}, coordinator {address}", flush=True)
-            failed = _wait(processes)
+            failed = _wait(processes, back if len(running) < nproc else None)
+            codes = [p.popen.returncode for p in processes]
+            if failed is None and len(running) < nproc and Preempted.exit_code in codes and not asked:
+                processes.clear()  # saved and stopped to grow
+                running, attempt = slots.gather(0), attempt + 1
+                say(f"restarting the job on {len(running)} processes from {resume_point(checkpoint_dir)}")
+                continue
             if failed is None:  # all done, or all stopped after saving at the same step
-                return Preempted.exit_code if Preempted.exit_code in [p.popen.returncode for p in processes] else 0
+                return Preempted.exit_code if Preempted.exit_code in codes else 0
             code, left = failed.popen.returncode, max_restarts - restart
             if code == PodtrainError.exit_code or asked or not left:
                 spent = "; no restart left" if max_restarts and not left else ""
-                print(
-                    f"[launch] process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other "
-                    "processes",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say(f"process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other processes")
                 return code if code > 0 else 128 - code
             _stop(processes, grace=0)  # the others cannot finish a step without it
             processes.clear()
-            print(
-                f"[launch] process {failed.rank} ended with {_exit_status(code)}; restarting the job from "
-                f"{resume_point(checkpoint_dir)} (restart {restart + 1} of {max_restarts}, {left - 1} left)",
-                file=sys.stderr,
-                flush=True,
+            say(f"process {failed.rank} ended with {_exit_status(code)}")
+            if min_nproc < nproc:
+                running = slots.gather(rejoin_timeout)
+                if len(running) < min_nproc:
+                    say(f"{len(running)} of {nproc} slots can run a process after {rejoin_timeout:g} s, fewer than "
+                        f"--min-nproc={min_nproc}; giving up")
+                    return code if code > 0 else 128 - code
+            restart, attempt = restart + 1, attempt + 1
+            say(
+                f"restarting the job on {len(running)} processes from {resume_point(checkpoint_dir)} "
+                f"(restart {restart} of {max_restarts}, {left - 1} left)"
             )
     finally:
         _stop(processes)
+
+
+def say(line: str) -> None:
+    print(f"[launch] {line}", file=sys.stderr, flush=True)
+
+
+def add_launch_command(sub, run) -> None:
+    """The `launch` subcommand on the CLI's subparsers; `run(args)` launches."""
+    la = sub.add_parser(
+        "launch",
+        help="run a command as several processes of one job on this machine",
+        description=(
+            "Start N processes of COMMAND (a podtrain command such as `train CONFIG key=value`, or any program) with "
+            "the variables that join them; stream their output with a rank prefix; stop them all if one fails (and "
+            "restart, with --max-restarts, on the slots left with --min-nproc)."
+        ),
+    )
+    la.add_argument("--nproc", type=int, required=True, help="processes on this node")
+    la.add_argument(
+        "--devices-per-proc",
+        type=int,
+        help="fake CPU devices per process on CPU; GPUs per process on a GPU node (default: an equal share)",
+    )
+    la.add_argument("--nnodes", type=int, default=1, help="nodes in the job (each runs its own launch)")
+    la.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
+    la.add_argument("--coordinator", help="HOST:PORT of node 0 (default: 127.0.0.1 and a free port, for one node)")
+    la.add_argument("--log-dir", help="where process_<rank>.log go (default: RUN_DIR/logs for train, else runs/launch)")
+    la.add_argument("--max-restarts", type=int, default=0, metavar="N", help="restarts after a failure (not exit 2/75)")
+    la.add_argument("--min-nproc", type=int, metavar="M", help="restart on as few as M processes (default: nproc)")
+    la.add_argument(
+        "--slot-check",
+        metavar="CMD",
+        help="shell command, exit 0 when slot $PODTRAIN_SLOT (its CUDA_VISIBLE_DEVICES) can run a process",
+    )
+    la.add_argument(
+        "--rejoin-timeout", type=float, default=60, metavar="S", help="seconds a lost slot has to come back"
+    )
+    la.add_argument(
+        "command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command each process runs"
+    )
+    la.set_defaults(func=run)

@@ -7,6 +7,7 @@ run's first step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,14 +24,27 @@ from podtrain.train.step import make_train_step, mean_over_batches
 from podtrain.train.tasks import Task
 
 
-def _check_batch(cfg: Config, dp: int) -> None:
-    micro = cfg.train.batch_size // cfg.train.grad_accum
-    if micro % dp:
+def accumulation(cfg: Config, dp: int) -> int:
+    """Microbatches per step on `dp` data-parallel devices (mesh data x fsdp): the fewest, at least
+    train.grad_accum, whose microbatch splits evenly over them and, with train.device_batch, gives no
+    device more sequences than that. The global batch and its order are the config's on any number of
+    devices, so a run resumed on fewer (or more) still trains step i on batch i."""
+    t = cfg.train
+    if t.batch_size % dp:
+        divisors = [str(n) for n in range(1, t.batch_size + 1) if t.batch_size % n == 0]
+        near = sorted({dp * (t.batch_size // dp), dp * (t.batch_size // dp + 1)} - {0})
         raise ConfigError(
-            f"The microbatch of {micro} sequences (train.batch_size={cfg.train.batch_size} / "
-            f"train.grad_accum={cfg.train.grad_accum}) does not split over the {dp} data-parallel shards "
-            f"(mesh data x fsdp). Make train.batch_size / train.grad_accum a multiple of {dp}."
+            f"train.batch_size={t.batch_size} does not split over {dp} data-parallel devices (mesh data x fsdp). "
+            f"Run on a data-parallel size that divides it ({', '.join(divisors[:12])}), or start a new run with a "
+            f"batch size that {dp} divides ({' or '.join(map(str, near))})."
         )
+    least = max(t.grad_accum, -(-t.batch_size // (t.device_batch * dp)) if t.device_batch else 1)
+    if least > t.batch_size // dp:
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} leaves microbatches of {t.batch_size // t.grad_accum} sequences, fewer "
+            f"than the {dp} data-parallel devices (mesh data x fsdp); make it at most {t.batch_size // dp}."
+        )
+    return next(a for a in range(least, t.batch_size + 1) if t.batch_size % a == 0 and t.batch_size // a % dp == 0)
 
 
 @dataclass
@@ -44,6 +58,7 @@ class Job:
     eval_step: Callable  # (params, batch) -> metrics
     tokens_per_step: int
     flops_per_step: float
+    grad_accum: int  # on this mesh: train.grad_accum, or more (accumulation)
 
     def init_state(self, seed: int, params=None) -> dict:
         state = init_state(self.setup, seed, params)
@@ -69,7 +84,8 @@ class Job:
 def build(cfg: Config, mesh, data: bool = True) -> Job:
     """The model, its optimizer and its task (text for language models, puzzles for reasoners) on
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
-    _check_batch(cfg, data_parallel_size(mesh))
+    grad_accum = accumulation(cfg, data_parallel_size(mesh))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=grad_accum))
     record = family(cfg.model)
     if data and cfg.data.source not in record.task.data_sources:
         readers = [name for name, f in MODELS.items() if cfg.data.source in f.task.data_sources]
@@ -93,7 +109,7 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     )
     tokens_per_step = t.batch_size * task.positions
     flops_per_step = record.flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
-    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)
+    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step, grad_accum)
 
 
 def compile_step(cfg: Config, mesh):

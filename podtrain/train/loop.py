@@ -116,6 +116,12 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
         f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
     )
     console.print(f"[podtrain] step memory: {memory.summary()}")
+    if job.grad_accum != t.grad_accum:
+        console.print(
+            f"[podtrain] train.grad_accum={job.grad_accum} on these devices (the config says {t.grad_accum}): "
+            f"the batch of {t.batch_size} in microbatches that split over them"
+            + (f", at most {t.device_batch} per device" if t.device_batch else "")
+        )
     for line in job.replicated[:8]:
         console.print(f"[podtrain] replicated, as the mesh does not divide it: {line}")
     if note := optim.warmup_note(t):
@@ -141,7 +147,8 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
             hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start, goodput)
             trainer = Trainer(job.step)
             hooks.attach(trainer)
-            state = trainer.run(state, goodput.steps(start, log.logged_past, batches), start, t.steps)
+            with distributed.peer_loss_in_one_line():  # before any cleanup: its collectives would not match
+                state = trainer.run(state, goodput.steps(start, log.logged_past, batches), start, t.steps)
         with goodput.charge("checkpoint"):
             checkpointer.wait()
         accounted = goodput.report()
