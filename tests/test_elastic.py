@@ -109,7 +109,7 @@ def _elastic(run, steps: int, losses: int, seed: int) -> tuple[str, list[float]]
         text=True,
     )  # fmt: skip
     pids, lines, recovery = {}, [], []
-    kill_at = sorted(rng.sample(range(3, steps - 3), losses))
+    kill_at = sorted(rng.sample(range(3, steps // 2), losses))  # the second half leaves time to grow back
     killed, state = None, "running"
     try:
         for line in launcher.stdout:
@@ -140,18 +140,27 @@ def _elastic(run, steps: int, losses: int, seed: int) -> tuple[str, list[float]]
 
 
 @pytest.mark.integration
-def test_a_lost_process_not_let_back_leaves_the_job_on_three_then_it_grows_back(tmp_path):
-    steps = 30
+@pytest.mark.parametrize("losses", [1, 10], ids=["once", "soak"])
+def test_a_lost_process_not_let_back_leaves_the_job_on_three_then_it_grows_back(tmp_path, losses):
+    """Once, and as a soak: 10 losses and returns in one run, each recovered."""
+    steps = 30 if losses == 1 else 300
     reference = tmp_path / "reference"
     train(load_config(None, [*JOB, f"train.steps={steps}", "checkpoint.every=5", f"run_dir={reference}"]))
-    output, recovery = _elastic(tmp_path / "run", steps, losses=1, seed=5)
-    print(f"from the kill to the first step on 3 processes: {recovery[0]:.1f} s")
-    assert "restarting the job on 3 processes" in output and "restarting the job on 4 processes" in output
+    output, recovery = _elastic(tmp_path / "run", steps, losses, seed=losses)
+    print(f"from each kill to the first step on 3 processes: {', '.join(f'{s:.1f}' for s in recovery)} s")
+    assert len(recovery) == losses  # each loss recovered on 3 processes, then grown back to 4
+    assert output.count("restarting the job on 4 processes") == losses
     assert "train.grad_accum=2 on these devices" in output  # the batch of 24 in two microbatches on 6 devices
     logged = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert logged == list(range(1, steps + 1))  # each step once
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
-        _params(tmp_path / "run", JOB),
-        _params(reference, JOB),
+    curves = [[r["loss"] for r in read_metrics(folder) if "loss" in r] for folder in (tmp_path / "run", reference)]
+    loss_gap = float(np.abs(np.subtract(*curves)).max())
+    differences = jax.tree.leaves(
+        jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _params(tmp_path / "run", JOB), _params(reference, JOB))
     )
+    print(f"against the uninterrupted run: losses at most {loss_gap:.1e} apart, final params {max(differences):.1e}")
+    assert loss_gap < 1e-4  # every step trained on the same batch
+    # Two microbatches of 12 on 6 devices sum a gradient in another order than 8 devices' 3 rows
+    # each: float32 rounding, which Adam carries on (most in the rarely seen bytes' embeddings).
+    # After one loss the weights stay within 1e-5; through the soak's ten and 300 steps, within 1e-3.
+    assert max(differences) < (1e-5 if losses == 1 else 1e-3)

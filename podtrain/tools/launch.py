@@ -283,8 +283,10 @@ def launch(
             if min_nproc < nproc:
                 running = slots.gather(rejoin_timeout)
                 if len(running) < min_nproc:
-                    say(f"{len(running)} of {nproc} slots can run a process after {rejoin_timeout:g} s, fewer than "
-                        f"--min-nproc={min_nproc}; giving up")
+                    say(
+                        f"{len(running)} of {nproc} slots can run a process after {rejoin_timeout:g} s, fewer than "
+                        f"--min-nproc={min_nproc}; giving up"
+                    )
                     return code if code > 0 else 128 - code
             restart, attempt = restart + 1, attempt + 1
             say(
