@@ -36,7 +36,7 @@ def accumulation(cfg: Config, dp: int) -> int:
         raise ConfigError(
             f"train.batch_size={t.batch_size} does not split over {dp} data-parallel devices (mesh data x fsdp). "
             f"Run on a data-parallel size that divides it ({', '.join(divisors[:12])}), or start a new run with a "
-            f"batch size that {dp} divides ({' or '.join(map(str, near))})."
+            f"batch size that is a multiple of {dp} ({' or '.join(map(str, near))})."
         )
     least = max(t.grad_accum, -(-t.batch_size // (t.device_batch * dp)) if t.device_batch else 1)
     if least > t.batch_size // dp:
