@@ -145,15 +145,15 @@ class Checkpointer:
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         items[DIGEST] = ocp.args.JsonSave(checksums(arrays))
         self.pending = step
-        with self._writing():
+        with self.writing():
             self.manager.save(step, args=ocp.args.Composite(**items))
 
     def wait(self) -> None:
-        with self._writing():
+        with self.writing():
             self.manager.wait_until_finished()
 
     @contextmanager
-    def _writing(self):
+    def writing(self):
         """A full disk, or a bucket that failed through every retry, under the pending save becomes one
         paragraph, not orbax's tracebacks."""
         try:

@@ -151,7 +151,8 @@ class TrainHooks:
         jax.block_until_ready(end.state)
         with self.goodput.charge("checkpoint"):
             self.checkpointer.save(end.state)
-            self.log.flush()  # the record a resume from this step continues is where the run is
+            with self.checkpointer.writing():  # a bucket's failure here fails the save, as for its arrays
+                self.log.flush()  # the record a resume from this step continues is where the run is
         self.saved = end.done
         self.window.restart(end.done)
 
