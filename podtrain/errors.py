@@ -1,6 +1,11 @@
 """User-facing errors: each says what was wrong and what to do; the CLI prints it and exits 2."""
 
 
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """An error's first line, to quote a library's error inside podtrain's paragraph."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 class PodtrainError(Exception):
     """An error the user can fix. The CLI prints the message without a traceback."""
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from podtrain.errors import StorageError
+from podtrain.errors import StorageError, first_line
 
 # scheme: (the fsspec package that serves it, the podtrain extra that installs it)
 SCHEMES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
@@ -259,14 +259,14 @@ def explain(error: BaseException, where: str | os.PathLike | None = None) -> Sto
     refused = isinstance(error, PermissionError) or getattr(error, "code", None) in (401, 403)
     if refused or "accessdenied" in lowered or "forbidden" in lowered:
         return StorageError(
-            f"{place}access refused ({_short(error)}). Check that the credentials in use may read and write this "
+            f"{place}access refused ({first_line(error)}). Check that the credentials in use may read and write this "
             "bucket (roles/storage.objectAdmin on GCS; s3:GetObject, PutObject, ListBucket, DeleteObject on S3)."
         )
     if any(
         s in lowered for s in ("cannot connect", "connection refused", "clientconnectorerror", "endpointconnection")
     ):
         return StorageError(
-            f"{place}the storage server could not be reached ({_short(error)}), after retries. Check the network, "
+            f"{place}the storage server could not be reached ({first_line(error)}), after retries. Check the network, "
             "and STORAGE_EMULATOR_HOST or AWS_ENDPOINT_URL if they are set."
         )
     return None
@@ -285,8 +285,3 @@ def failed(error: BaseException | None) -> bool:
 
 
 _CLIENTS = ("gcsfs", "s3fs", "aiohttp", "botocore", "aiobotocore", "google")
-
-
-def _short(error: BaseException) -> str:
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return line[:200]

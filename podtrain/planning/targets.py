@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from podtrain.errors import ConfigError, DeviceError
+from podtrain.errors import ConfigError, DeviceError, first_line
 from podtrain.planning import gpus
 from podtrain.runtime.chips import CHIPS, Chip, GiB, host_memory
 
@@ -90,7 +90,7 @@ def tpu_target(name: str, generation: str, cores: int, slices: int = 1) -> Targe
         raise DeviceError(
             f"--target {name} compiles for the TPU through libtpu, which could not describe a "
             f"{generation} {'x'.join(map(str, dims))} slice here "
-            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). "
+            f"({first_line(e, 1000)}). "
             "Install the tpu extra: `pip install -e '.[tpu]'`."
         ) from None
     return Target(name, "tpu", CHIPS[generation], list(topology.devices), slices)

@@ -7,13 +7,9 @@ import os
 
 import jax
 
-from podtrain.errors import DeviceError
+from podtrain.errors import DeviceError, first_line
 
 PLATFORMS = ("tpu", "gpu", "cpu")  # the order `auto` tries them in
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def hide_absent_tpu() -> None:
@@ -41,7 +37,7 @@ def select_devices(device_type: str = "auto") -> list[jax.Device]:
         try:
             devices = jax.devices(candidate)
         except RuntimeError as e:  # JAX's answer for a backend that is absent or failed to start
-            failures[candidate] = _first_line(e)
+            failures[candidate] = first_line(e, 1000)
             continue
         for name, why in failures.items():
             # Present but broken: say so rather than quietly run slower. A runtime library that is not

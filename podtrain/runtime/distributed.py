@@ -21,7 +21,7 @@ import jax
 from jax._src.distributed import global_state  # the client, for the watchdog; jax exposes no other handle
 
 from podtrain.config.schema import DistributedConfig
-from podtrain.errors import DistributedError, PeerLost
+from podtrain.errors import DistributedError, PeerLost, first_line
 from podtrain.runtime import peers
 
 JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_COUNT", "JAX_PROCESS_INDEX")
@@ -244,6 +244,6 @@ def peer_loss_in_one_line():
         peers.await_verdict()  # the watchdog names the lost process and ends this one
         raise PeerLost(
             f"process {jax.process_index()} of {jax.process_count()} lost another process of the job "
-            f"({str(e).strip().splitlines()[0][:160]}). Rerun the job to resume from its newest checkpoint, or launch "
+            f"({first_line(e, 160)}). Rerun the job to resume from its newest checkpoint, or launch "
             "it with `podtrain launch --max-restarts N` to have that done for you."
         ) from None

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from podtrain.errors import PeerLost
+from podtrain.errors import PeerLost, first_line
 
 HOSTS = "podtrain/host/"  # where each process leaves its host's name in the service's key-value store
 LEFT = "podtrain/left/"  # and a mark as it stops on a loss
@@ -44,7 +44,7 @@ class Watchdog:
                 live = self.client.get_live_nodes(everyone)
             except Exception as e:  # noqa: BLE001 - the service is gone: process 0 was lost
                 if not self.stopped.is_set():
-                    self._end([0], f"the coordination service in process 0 stopped answering ({_first_line(e)})")
+                    self._end([0], f"the coordination service in process 0 stopped answering ({first_line(e, 160)})")
                 return
             if lost := [i for i in everyone if i not in live]:
                 if not self.stopped.is_set():
@@ -87,13 +87,7 @@ class Watchdog:
     def verdict(self) -> None:
         """Wait for the watchdog to name the lost process and end this one (a collective failed because
         a peer's socket closed); returns only if no loss is found within a heartbeat timeout."""
-        deadline = time.monotonic() + self.heartbeat_timeout + 3 * POLL_S
-        while time.monotonic() < deadline:
-            time.sleep(POLL_S)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        time.sleep(self.heartbeat_timeout + 3 * POLL_S)
 
 
 _watchdog: Watchdog | None = None

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain.config.schema import Config, MeshConfig
-from podtrain.errors import ChecksFailed, PodtrainError
+from podtrain.errors import ChecksFailed, PodtrainError, first_line
 from podtrain.planning.fit import global_bytes, size
 from podtrain.runtime import devices as devices_lib
 from podtrain.runtime import mesh as mesh_lib
@@ -80,7 +80,7 @@ def attempt(name: str, fix: str, fn) -> tuple[Check, object]:
     except PodtrainError as e:  # its message says what to do
         check = Check(name, False, str(e), fix)
     except Exception as e:  # noqa: BLE001 - a smoke test reports whatever breaks
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = first_line(e, 300)
         check = Check(name, False, f"{type(e).__name__}: {first}", fix)
     failed = _others_failed(check.ok)
     if check.ok and failed:

@@ -61,32 +61,37 @@ def gpus_per_process(nproc: int, devices_per_proc: int | None) -> int:
     return per_proc
 
 
-def child_env(
-    base: dict,
-    coordinator: str,
-    count: int,
-    rank: int,
-    local_rank: int,
-    devices_per_proc: int | None,
-    gpus: int,
-    restart: int = 0,
-) -> dict:
-    env = {
-        **base,
-        "JAX_COORDINATOR_ADDRESS": coordinator,
-        "JAX_PROCESS_COUNT": str(count),
-        "JAX_PROCESS_INDEX": str(rank),
-        "PODTRAIN_RESTART": str(restart),
-        "PYTHONUNBUFFERED": "1",
-    }
+def slot_env(base: dict, slot: int, devices_per_proc: int | None, gpus: int) -> dict:
+    """`base` with the devices of a slot: K fake CPU devices, or its GPUs."""
+    env = dict(base)
     if devices_per_proc:
         # Only JAX's CPU platform reads the fake device count, so it is harmless on GPU and TPU hosts.
         env["XLA_FLAGS"] = (
             f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_proc}".strip()
         )
     if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(local_rank * gpus + i) for i in range(gpus))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(slot * gpus + i) for i in range(gpus))
     return env
+
+
+def child_env(
+    base: dict,
+    coordinator: str,
+    count: int,
+    rank: int,
+    slot: int,
+    devices_per_proc: int | None,
+    gpus: int,
+    restart: int = 0,
+) -> dict:
+    return {
+        **slot_env(base, slot, devices_per_proc, gpus),
+        "JAX_COORDINATOR_ADDRESS": coordinator,
+        "JAX_PROCESS_COUNT": str(count),
+        "JAX_PROCESS_INDEX": str(rank),
+        "PODTRAIN_RESTART": str(restart),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _exit_status(code: int) -> str:
@@ -225,7 +230,7 @@ def launch(
     log_dir = Path(log_dir or (Path(run_dir) / "logs" if local_run else "runs/launch"))
     log_dir.mkdir(parents=True, exist_ok=True)
     base, lock = dict(os.environ), threading.Lock()
-    slots = Slots(nproc, slot_check, lambda slot: child_env(base, "", 0, 0, slot, devices_per_proc, gpus))
+    slots = Slots(nproc, slot_check, lambda slot: slot_env(base, slot, devices_per_proc, gpus))
     print(f"[launch] {nproc} of {nnodes * nproc} processes on this node, logs in {log_dir}/", flush=True)
     processes: list[_Process] = []  # the running attempt's
     asked: list[int] = []

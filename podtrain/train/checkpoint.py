@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podtrain import storage
-from podtrain.errors import CheckpointError, SaveFailed
+from podtrain.errors import CheckpointError, SaveFailed, first_line
 from podtrain.train import disk
 from podtrain.train.digest import checksums, fingerprint, leaf_name
 from podtrain.train.orbax_quiet import quiet_orbax
@@ -60,8 +60,7 @@ def location(directory) -> str:
 
 
 def _first_line(e: Exception) -> str:
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return line.split(" See full TensorStore details")[0][:200]
+    return first_line(e).split(" See full TensorStore details")[0]
 
 
 def _agree(ok: bool) -> bool:
