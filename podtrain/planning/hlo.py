@@ -117,8 +117,7 @@ def trip_count(loop: str, bodies: dict, caller: list[str] = ()) -> int:
     the annotation) from the loop itself: its condition `counter < bound`, the counter's step in
     the body (a scan counts 0..n-1 by 1, a windowed einsum its shards 2 at a time) and its start in
     the initial tuple, a constant of `caller` (the computation that runs the loop), else 0."""
-    known = _TRIP.search(loop)
-    if known:
+    if known := _TRIP.search(loop):
         return int(known.group(1))
     called = dict(re.findall(r"\b(condition|body)=%?([\w.\-]+)", loop))
     condition = _named(bodies.get(called.get("condition"), ()))
@@ -345,8 +344,7 @@ def elements(type_text: str) -> list[str]:
 def instructions(lines: list[str]):
     """(line, result, its type, op, operand names) of each instruction line."""
     for line in lines:
-        match = _OPERATION.match(line)
-        if match:
+        if match := _OPERATION.match(line):
             result, type_text, op, operands = match.groups()
             operands = _COMMENT.sub("", operands)  # long operand lists are numbered: /*index=5*/%name
             yield line, result, type_text, op, [o.strip().lstrip("%") for o in operands.split(",") if o.strip()]
