@@ -62,6 +62,7 @@ def _launch(args) -> int:
     options = ("nproc", "devices_per_proc", "nnodes", "node_rank", "coordinator", "max_restarts", "min_nproc")
     options += ("slot_check", "rejoin_timeout")
     where = {"run_dir": cfg.run_dir, "checkpoint_dir": cfg.checkpoint_dir} if cfg else {}
+    where |= {"survivors_save": cfg.checkpoint.replica_every > 0} if cfg else {}
     return launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options})
 
 

@@ -164,3 +164,48 @@ def test_a_lost_process_not_let_back_leaves_the_job_on_three_then_it_grows_back(
     # each: float32 rounding, which Adam carries on (most in the rarely seen bytes' embeddings).
     # After one loss the weights stay within 1e-5; through the soak's ten and 300 steps, within 1e-3.
     assert max(differences) < (1e-5 if losses == 1 else 1e-3)
+
+
+@pytest.mark.integration
+def test_the_survivors_of_a_loss_write_the_state_they_hold_and_the_restart_resumes_from_it(tmp_path):
+    """Data parallel over 4 processes, so each survivor holds a whole replica; no checkpoint before
+    the end (checkpoint.every=1000): the restart resumes from the step of the loss, not from step 0."""
+    steps, run = 40, tmp_path / "run"
+    job = [*JOB, f"train.steps={steps}", "checkpoint.every=1000", "checkpoint.replica_every=1"]
+    reference = tmp_path / "reference"
+    train(load_config(None, [*job, f"run_dir={reference}"]))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "podtrain", "launch", "--nproc", "4", "--devices-per-proc", "2",
+         "--max-restarts", "1", "--", "train", *job, f"run_dir={run}"],
+        env=CLEAN_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    pids, lines, at, killed, recovered = {}, [], None, None, None
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if m := re.match(r"\[launch\] process (\d): pid (\d+)", line):
+                pids[int(m[1])] = int(m[2])
+            step = re.match(r"\[0\] step +(\d+) ", line)
+            if at is None and step and int(step[1]) >= 12:
+                at, killed = int(step[1]), time.monotonic()
+                os.kill(pids[random.Random().choice([1, 2, 3])], signal.SIGKILL)
+            elif step and recovered is None and "resuming from step" in "".join(lines[-100:]):
+                recovered = time.monotonic() - killed
+        launcher.wait(timeout=60)
+    finally:
+        launcher.kill()
+    output = "".join(lines)
+    assert launcher.returncode == 0, output[-4000:]
+    resumed = int(re.search(r"resuming from step (\d+)", output)[1])
+    print(f"killed after step {at} was logged; resumed from step {resumed}, its first step {recovered:.1f} s after")
+    assert "kept step" in output and at <= resumed < steps, output[-4000:]
+    assert not (run / "checkpoints" / "replica").exists()  # a checkpoint holds its step now
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))
+    (faults,) = [r for r in records if "restarts" in r]
+    assert faults["recomputed_steps"] <= 2, faults
+    curves = [[r["loss"] for r in read_metrics(folder) if "loss" in r] for folder in (run, reference)]
+    np.testing.assert_allclose(*curves, rtol=0, atol=1e-5)

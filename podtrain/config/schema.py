@@ -220,6 +220,12 @@ class CheckpointConfig:
     keep: int = key(3, "newest checkpoints kept", ">= 1")
     dir: str | None = key(None, "where checkpoints go (default: RUN_DIR/checkpoints); a local path or gs://BUCKET/...")
     async_save: bool = key(True, "write checkpoints in the background while training goes on")
+    replica_every: int = key(
+        0,
+        "steps between copies of the state in host memory, which the processes left write out when one is lost "
+        "so that the restart resumes from that step (several processes only; 0: none)",
+        ">= 0",
+    )
 
 
 @dataclass

@@ -32,6 +32,7 @@ class Watchdog:
     def __init__(self, client, index: int, count: int, heartbeat_timeout: int, shutdown_timeout: int):
         self.client, self.index, self.count = client, index, count
         self.heartbeat_timeout, self.shutdown_timeout = heartbeat_timeout, shutdown_timeout
+        self.on_loss = []  # (survivors) -> None, run before this process stops
         self.stopped = threading.Event()
         client.key_value_set(f"{HOSTS}{index}", f"{socket.gethostname()} (pid {os.getpid()})")
         atexit.register(self.stopped.set)  # before jax's own exit handler disconnects this process
@@ -67,16 +68,19 @@ class Watchdog:
             file=sys.stderr,
             flush=True,
         )
+        survivors = [i for i in range(self.count) if i not in lost]
+        for save in self.on_loss:
+            save(survivors)
         self._last_out(lost)
         os._exit(PeerLost.exit_code)
 
     def _last_out(self, lost: list[int]) -> None:
-        """Process 0 hosts the service: the others, learning of the loss from it, must be gone first, or
-        losing it too would abort them from C++."""
+        """Process 0 hosts the service: the others, learning of the loss from it and saving what they
+        hold, must be gone first, or losing it too would abort them from C++."""
         try:
             self.client.key_value_set(f"{LEFT}{self.index}", "")
             others = self.count - len(lost) - 1
-            deadline = time.monotonic() + self.heartbeat_timeout
+            deadline = time.monotonic() + self.shutdown_timeout
             while self.index == 0 and time.monotonic() < deadline:
                 if len(self.client.key_value_dir_get(LEFT)) > others:
                     return
@@ -98,6 +102,12 @@ def watch(client, index: int, count: int, heartbeat_timeout: int, shutdown_timeo
     global _watchdog
     if _watchdog is None and count > 1:
         _watchdog = Watchdog(client, index, count, heartbeat_timeout, shutdown_timeout)
+
+
+def on_loss(save) -> None:
+    """Have `save(survivors)` run in this process when another is lost, before it stops."""
+    if _watchdog is not None:
+        _watchdog.on_loss.append(save)
 
 
 def leave() -> None:

@@ -39,6 +39,7 @@ from podtrain.errors import ConfigError, PodtrainError, Preempted
 
 STOP_GRACE_S = 5
 CHECK_EVERY_S = 2  # between slot checks while the job runs short of slots
+SURVIVORS_S = 60  # for a training job's survivors of a loss to write the state they hold and exit
 
 
 def free_port() -> int:
@@ -201,10 +202,12 @@ def launch(
     min_nproc: int | None = None,
     slot_check: str | None = None,
     rejoin_timeout: float = 60,
+    survivors_save: bool = False,
 ) -> int:
     """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
     restarting the job up to max_restarts times, on as few as min_nproc of the slots (see the
-    module's docstring; `checkpoint_dir`, where known, names the step a restart resumes from). Each
+    module's docstring; `checkpoint_dir`, where known, names the step a restart resumes from; with
+    `survivors_save` the others are given time to write what they hold after a loss). Each
     process's output goes to `log_dir`, by default RUN_DIR/logs of a local run and runs/launch
     otherwise (a log grows line by line, which an object in a bucket cannot). Returns 0 when all
     succeed, 75 when they stopped on request, else the exit status of the first to fail."""
@@ -282,6 +285,9 @@ def launch(
                 spent = "; no restart left" if max_restarts and not left else ""
                 say(f"process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other processes")
                 return code if code > 0 else 128 - code
+            deadline = time.monotonic() + (SURVIVORS_S if survivors_save else 0)
+            while time.monotonic() < deadline and any(p.popen.poll() is None for p in processes):
+                time.sleep(0.1)
             _stop(processes, grace=0)  # the others cannot finish a step without it
             processes.clear()
             say(f"process {failed.rank} ended with {_exit_status(code)}")

@@ -15,6 +15,8 @@ from podtrain import storage
 from podtrain.config.load import default_config
 from podtrain.config.schema import Config
 from podtrain.errors import Preempted, TrainingDiverged
+from podtrain.runtime import peers
+from podtrain.train import replica
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.goodput import Goodput
 from podtrain.train.job import Job
@@ -94,12 +96,25 @@ class TrainHooks:
         trainer.add_hook(self.write_metrics, t.log_every)
         trainer.add_hook(self.evaluate, t.eval_every)
         trainer.add_hook(self.save, self.cfg.checkpoint.every)
+        if self.cfg.checkpoint.replica_every and jax.process_count() > 1:
+            trainer.add_hook(self.host_copy(), self.cfg.checkpoint.replica_every)
         trainer.add_hook(self.advance_bar)
         trainer.add_hook(self.stop_if_asked)
         if t.profile_steps and jax.process_index() == 0:  # one trace file name per host
             trace = Trace(storage.join(self.cfg.run_dir, "profile"), *t.profile_steps, self.start, self.goodput)
             trainer.add_hook(trace.after_step)
         trainer.add_hook(self.goodput.after_step)  # last: the step's time includes its other hooks
+
+    def host_copy(self):
+        """The hook that keeps the state in host memory, for the survivors of a loss to write out."""
+        copy = replica.HostCopy(self.cfg.checkpoint_dir)
+        peers.on_loss(lambda survivors: copy.write(jax.process_index(), survivors))
+
+        def keep(end: StepEnd) -> None:
+            with self.goodput.charge("checkpoint"):
+                copy.keep(end.state)
+
+        return keep
 
     def after_compile(self, end: StepEnd) -> None:
         """The first step compiles: leave it out of the throughput."""

@@ -6,6 +6,7 @@ import dataclasses
 from contextlib import closing, nullcontext
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -17,7 +18,7 @@ from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
 from podtrain.planning import fit
 from podtrain.runtime import distributed
-from podtrain.train import optim
+from podtrain.train import optim, replica
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.goodput import Goodput, summary
 from podtrain.train.hooks import TrainHooks, fmt_metrics
@@ -33,6 +34,8 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
     """The state of the run's newest intact checkpoint (damaged newer ones set aside); from weights
     alone (a checkpoint `convert` wrote, or train.init_from) a fresh optimizer; else a new state."""
     latest = checkpointer.latest_step()
+    if state := from_replica(job, checkpointer, cfg, latest, say):
+        return state
     if latest is not None and checkpointer.holds(latest, "opt"):
         try:
             abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
@@ -54,6 +57,24 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
         say(f"[podtrain] starting from the weights of {cfg.train.init_from}, with a fresh optimizer")
         return job.init_state(cfg.seed, initial_weights(cfg.train.init_from, abstract, cfg))
     return job.init_state(cfg.seed)
+
+
+def from_replica(job: Job, checkpointer: Checkpointer, cfg: Config, latest: int | None, say) -> dict | None:
+    """The state the processes left after a loss wrote out (podtrain.train.replica), where it is newer
+    than the newest checkpoint and whole: saved at once as a checkpoint of its step."""
+    abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
+    found = replica.newest(cfg.checkpoint_dir, abstract, latest)
+    if found is None:
+        return None
+    step, host = found
+    say(f"[podtrain] the processes left after a loss kept step {step} whole, newer than the newest checkpoint")
+    where = job.abstract_state["step"].sharding
+    state = {**replica.place(host, abstract), "step": jax.device_put(np.int32(step), where)}
+    checkpointer.save(state)
+    checkpointer.wait()
+    if jax.process_index() == 0:
+        replica.discard(cfg.checkpoint_dir)
+    return state
 
 
 def initial_weights(source: str, abstract_params, cfg: Config):
