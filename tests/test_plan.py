@@ -161,7 +161,7 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
     assert by_mesh[fsdp2]["none"].params * 2 == by_mesh[data2]["none"].params  # fsdp=2 halves them
     table = plan.sweep_table(rows).splitlines()
     assert len(table) == 1 + 18 and "tensor" in table[0]
-    assert sum("cannot: The microbatch" in line for line in table) == 9
+    assert sum("cannot: train.grad_accum=4 leaves microbatches" in line for line in table) == 9
     for line, (changes, _) in zip(table[1:], rows):
         assert line.split()[: len(AXES) + 1] == [str(changes[k]) for k in (*(f"mesh.{a}" for a in AXES), "model.remat")]
 
