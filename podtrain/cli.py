@@ -8,6 +8,7 @@ import sys
 from podtrain import storage
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
+from podtrain.tools.generate import add_generate_command
 from podtrain.tools.launch import add_launch_command
 
 # Flags from the setup guides, each an alias of one config key.
@@ -64,19 +65,6 @@ def _launch(args) -> int:
     where = {"run_dir": cfg.run_dir, "checkpoint_dir": cfg.checkpoint_dir} if cfg else {}
     where |= {"survivors_save": cfg.checkpoint.replica_every > 0} if cfg else {}
     return launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options})
-
-
-def _generate(args) -> None:
-    from podtrain.train.run import Run
-    from podtrain.train.tasks.sampling import sample
-
-    run = Run.at(args.run_dir)
-    cfg, fns, params = run.language_model()
-    temperature = 0.0 if args.greedy else args.temperature
-    window = cfg.model.max_seq_len  # the model's positions
-    cache = not args.no_cache
-    text = sample(fns, params, run.tokenizer(), args.prompt, args.max_new_tokens, temperature, window, args.seed, cache)
-    print(args.prompt + text)
 
 
 def _eval(args) -> None:
@@ -195,19 +183,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_launch_command(sub, _launch)
 
-    g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
-    g.add_argument("run_dir")
-    g.add_argument("--prompt", default="")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--greedy", action="store_true", help="always the most likely token (temperature 0)")
-    g.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="recompute the whole window for every token instead of keeping a key/value cache (slower; for comparison)",
-    )
-    g.set_defaults(func=_generate)
+    add_generate_command(sub)
 
     ev = sub.add_parser("eval", help="test accuracy of HRM/TRM runs at each halt_max_steps, pooled over seeds")
     ev.add_argument("runs", nargs="+", metavar="RUN", help="a run_dir; with --seeds, one containing {seed}")
@@ -234,6 +210,7 @@ def parser() -> argparse.ArgumentParser:
         help="dtype of the exported weights: bfloat16, float16 or float32 (default: the dtype the run was "
         "imported in, else bfloat16)",
     )
+    cv.add_argument("--adapter", action="store_true", help="--to-hf a LoRA run's adapters alone, in PEFT's format")
     cv.add_argument(
         "overrides", nargs="*", help="dotted key=value overrides of the imported run's config (e.g. train.seq_len=1024)"
     )

@@ -33,6 +33,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "vocab": ("tensor",),
     "head_dim": (),
+    "lora": (),  # the rank of a LoRA adapter (models/lora.py)
     "layers": ("stage",),  # a stack's layers, cut into consecutive pipeline stages
     "seq": (),  # the token-mixing weights of TRM's mlp_t
     "streams": (),  # mHC's residual streams and their mixing coefficients

@@ -235,6 +235,7 @@ def test_init_from_a_hf_checkpoint_and_a_run_trains_from_those_weights(tmp_path)
     )
     common = [
         "data.source=text",
+        "data.format=text",  # the imported config's is chat
         f"data.path={tmp_path / 'corpus.txt'}",
         "train.steps=2",
         "train.eval_every=0",

@@ -80,7 +80,7 @@ def test_weight_decay_reaches_matrices_only(small_overrides, name):
     others exactly as they were."""
     cfg = load_config(None, [*small_overrides, f"model.name={name}", "train.lr=0.1", "train.weight_decay=0.5"])
     setup = train_setup(cfg, build_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1]))
-    mask = decay_mask(setup.fns)
+    mask = decay_mask(setup.fns.logical_axes)
     assert mask == jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key not in VECTORS, mask)
     assert mask["layers"]["attn"]["wq"] and not mask["layers"]["attn_norm"]["scale"] and not mask["norm"]["scale"]
 
@@ -204,7 +204,7 @@ def test_reference_optimizers_through_a_train_step(tmp_path):
     ]
     cfg = load_config(None, overrides)
     job = build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
-    state, mask = job.init_state(cfg.seed), decay_mask(job.setup.fns)
+    state, mask = job.init_state(cfg.seed), decay_mask(job.setup.fns.logical_axes)
     before = jax.tree.map(np.asarray, state["params"])
     after, _ = job.step(state, job.task.batches[0])
     after = jax.tree.map(np.asarray, after["params"])

@@ -83,13 +83,15 @@ def test_fsdp_collectives_are_the_analytic_volume():
     assert p.times["network"] > 0 and p.step_time == max(p.times["compute"], p.times["memory"], p.times["network"])
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_compiled_matmul_flops_match_the_model(remat):
+@pytest.mark.parametrize("remat,lora", [("none", 0), ("full", 0), ("none", 8)])
+def test_compiled_matmul_flops_match_the_model(remat, lora):
     """Counted in the HLO with each scanned layer once per layer: the model's 6N + 12LdT (T the
     keys a query sees, (T + 1) / 2 causally; within the embedding lookup, which is no matmul),
     plus the masked scores that causal blocks still compute; more under full remat, whose
-    forward runs twice."""
-    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, f"model.remat={remat}", "model.tie_embeddings=false"])
+    forward runs twice. Under LoRA 4 per frozen weight (no gradient of its own) and 6 per adapter's."""
+    overrides = [f"model.remat={remat}", "model.tie_embeddings=false"]
+    lora_keys = [f"train.lora.rank={lora}", "train.init_from=a_base"] if lora else []
+    cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, *overrides, *lora_keys])
     p = plan.plan(cfg, cpu(8))
     m, t = p.cfg.model, p.cfg.train.seq_len
     blocks = causal_blocks(t)

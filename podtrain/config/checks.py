@@ -53,7 +53,8 @@ def validate(cfg: Config) -> None:
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
             "each microbatch must have the same size."
         )
-    if data.source in DATA_FOLDERS and not data.path:
+    # chat's conversations are asked for when training reads them: an imported run's config leaves them to set
+    if data.source in DATA_FOLDERS and not data.path and data.format != "chat":
         raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
     if data.source == "pydoc" and data.path:
         raise ConfigError(

@@ -285,8 +285,9 @@ def check_structure(data: dict, where: str) -> None:
             )
         for item_key, item in value.items() if section else [(None, value)]:
             full = f"{name}.{item_key}" if item_key is not None else str(name)
+            subsection = section and dataclasses.is_dataclass(getattr(getattr(Config(), name), str(item_key), None))
             # the family is not known yet: a key that is a list in any family may hold one
-            if isinstance(item, dict) or (
+            if (isinstance(item, dict) and not subsection) or (
                 isinstance(item, list) and not any(_is_list(default_config(family), full) for family in MODELS)
             ):
                 raise ConfigError(

@@ -167,6 +167,20 @@ class PipelineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA): the base weights frozen in the compute dtype, only A and B of each target
+    trained, kept in the optimizer and the checkpoints; the base is train.init_from's."""
+
+    rank: int = key(0, "rank of the adapters; 0: no adapters, every weight trained", ">= 0")
+    alpha: float = key(16.0, "the adapters' output is scaled by alpha / rank", "> 0")
+    dropout: float = key(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout)", "[0, 1)")
+    targets: list[str] = key(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "the projections adapted, by their Hugging Face names (attention's and dense MLPs'; no MoE expert)",
+    )
+
+
+@dataclass
 class TrainConfig:
     """The keys of every task; a task adds its own (e.g. the text task's window length)."""
 
@@ -204,6 +218,7 @@ class TrainConfig:
     init_from: str = key(
         "", "start from these weights (a podtrain run_dir, or a Hugging Face Llama folder or hub name)"
     )
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ema: float = key(0.0, "decay of an exponential moving average of the weights (e.g. 0.999); 0: none", "[0, 1)")
     log_every: int = key(20, "steps between metric lines", ">= 1")
     eval_every: int = key(100, "steps between evaluations (0: only after the last step)", ">= 0")

@@ -25,8 +25,21 @@ TOKENS, SEGMENTS, TRAINED = 0, 1, 2  # the channels of a packed row
 
 
 def chat_template(tokenizer) -> str:
+    """The tokenizer's chat template (`template_of`), or an error saying where to get one."""
+    template = template_of(tokenizer)
+    if not template:
+        raise DataError(
+            f"data.format=chat and `generate --chat` render conversations with the tokenizer's chat template, and "
+            f"the tokenizer {tokenizer.spec} has none (no chat_template in tokenizer_config.json, no "
+            "chat_template.jinja); use the tokenizer of an instruction-tuned model, or one fitted with "
+            "`podtrain data tokenizer --chat`."
+        )
+    return template
+
+
+def template_of(tokenizer) -> str | None:
     """The tokenizer's chat template: tokenizer_config.json's `chat_template` (the default one of
-    a list), or a chat_template.jinja beside it."""
+    a list), or a chat_template.jinja beside it; None if it has none."""
     folder = Path(tokenizer.file).parent if getattr(tokenizer, "file", None) else None
     config = folder / "tokenizer_config.json" if folder else None
     template = json.loads(config.read_text()).get("chat_template") if config and config.is_file() else None
@@ -34,13 +47,7 @@ def chat_template(tokenizer) -> str:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if template is None and folder and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
-    if not template:
-        raise DataError(
-            f"data.format=chat renders conversations with the tokenizer's chat template, and data.tokenizer="
-            f"{tokenizer.spec} has none (no chat_template in tokenizer_config.json, no chat_template.jinja); use "
-            "the tokenizer of an instruction-tuned model."
-        )
-    return template
+    return template or None
 
 
 class Renderer:
@@ -100,6 +107,35 @@ class Renderer:
 MARK = "\ue000podtrain-turn\ue001"
 
 
+def end_of_turn(tokenizer) -> int | None:
+    """The token that closes an assistant turn in the tokenizer's chat template (ChatML's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>): the first special token of the text the template
+    writes after a reply. None without a template, or where a turn ends in plain text."""
+    template = template_of(tokenizer)
+    if template is None:
+        return None
+    reply = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": MARK}]
+    try:
+        text = Renderer(template, special_tokens(tokenizer))(reply)
+    except DataError:  # a template that wants other turns: no end of turn to stop at, not a failed sample
+        return None
+    if MARK not in text:
+        return None
+    special = {i for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items() if t.special}
+    closing = tokenizer.tokenizer.encode(text[text.find(MARK) + len(MARK) :], add_special_tokens=False).ids
+    return next((i for i in closing if i in special), None)
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """The tokens at which generation stops: the tokenizer's generation_config.json's eos list (an
+    imported model's, kept as it was) or else its EOS, and the chat template's end of turn."""
+    eos = tokenizer.generation.get("eos_token_id")
+    eos = tokenizer.eos_id if eos is None else eos
+    stops = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
+    turn = end_of_turn(tokenizer)
+    return stops + [turn] if turn is not None and turn not in stops else stops
+
+
 def _unwritable(i: int, message: dict) -> DataError:
     return DataError(
         f"The chat template does not write assistant turn {i} ({str(message.get('content'))[:40]!r}) as a piece of "
@@ -109,6 +145,11 @@ def _unwritable(i: int, message: dict) -> DataError:
 
 def read_conversations(path: str) -> list[list[dict]]:
     """The conversations of a JSONL file, or of every *.jsonl file in a folder, in order."""
+    if not path:
+        raise DataError(
+            "data.format=chat trains on conversations and data.path is not set: give data.path=FILE_OR_DIR, a "
+            'JSONL file (or folder of them) of {"messages": [{"role": ..., "content": ...}, ...]} lines.'
+        )
     folder = storage.path(path)
     files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else [folder]
     if not files or not files[0].is_file():

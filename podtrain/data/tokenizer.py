@@ -30,12 +30,15 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 VOCAB_MULTIPLE = 128  # `model.vocab_size=auto` rounds up to this, for even shards and fast matmuls
+# Beside tokenizer.json: the token ids of generation (bos, eos: one id or the list of stop tokens, pad) and any
+# sampling defaults, as transformers reads them; an imported model's, carried through its runs to the export.
+GENERATION = "generation_config.json"
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: no file, no end-of-document token."""
 
-    spec, identity, vocab_size, eos_id, file = BYTES, BYTES, 256, None, None
+    spec, identity, vocab_size, eos_id, file, generation = BYTES, BYTES, 256, None, None, {}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -61,6 +64,8 @@ class HFTokenizer:
             ) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._eos_id(file.parent / "tokenizer_config.json")
+        generation = file.parent / GENERATION
+        self.generation = json.loads(generation.read_text()) if generation.is_file() else {}
 
     def _eos_id(self, config: Path) -> int | None:
         names = list(EOS_NAMES)
@@ -110,8 +115,9 @@ def _from_hub(name: str) -> Path:
             f"{type(e).__name__}. Check the name (e.g. HuggingFaceTB/SmolLM-360M), that this machine reaches "
             "huggingface.co (or set HF_TOKEN), or give a local folder with tokenizer.json."
         ) from None
-    with contextlib.suppress(Exception):  # optional: it names the EOS token
-        hf_hub_download(name, "tokenizer_config.json")
+    for optional in ("tokenizer_config.json", GENERATION):  # the EOS token and the chat template; the stop tokens
+        with contextlib.suppress(Exception):
+            hf_hub_download(name, optional)
     return file
 
 
@@ -120,7 +126,7 @@ def keep_tokenizer(tokenizer: HFTokenizer, folder) -> None:
     if not storage.is_remote(folder) and Path(folder).resolve() == tokenizer.file.parent.resolve():
         return  # a run that trains with the tokenizer it keeps (one `convert` made)
     storage.makedirs(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", GENERATION):
         if (tokenizer.file.parent / name).is_file():
             (storage.path(folder) / name).write_bytes((tokenizer.file.parent / name).read_bytes())
 
@@ -133,7 +139,8 @@ def vocab_for(tokenizer) -> int:
 def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path, chat: bool = False) -> HFTokenizer:
     """A byte-level BPE (GPT-2's scheme: every byte is a token, so any text encodes) fitted on
     `documents`, saved as OUT/tokenizer.json with a tokenizer_config.json that
-    `transformers.AutoTokenizer` reads. With `chat`, ChatML's turn tokens and its chat template too."""
+    `transformers.AutoTokenizer` reads. With `chat`, ChatML's turn tokens and its chat template too,
+    and a generation_config.json whose stop tokens are the end of a document and the end of a turn."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -157,6 +164,9 @@ def fit_bpe(documents: Iterable[str], vocab_size: int, out: str | Path, chat: bo
     with storage.staged(out) as folder:
         tokenizer.save(str(folder / "tokenizer.json"))
         (folder / "tokenizer_config.json").write_text(json.dumps(_config(chat), indent=1) + "\n")
+        if chat:  # <|endoftext|> stays the EOS that ends documents; a reply ends at <|im_end|>
+            ids = [tokenizer.token_to_id(t) for t in (EOS, CHAT_TOKENS[1])]
+            (folder / GENERATION).write_text(json.dumps({"bos_token_id": ids[0], "eos_token_id": ids}, indent=1))
     return load_tokenizer(str(out))
 
 

@@ -15,7 +15,8 @@ class Family:
     name: str  # `model.name`
     config: type[ModelConfig]  # its keys under `model.`
     module: type  # the Flax NNX module built from that config
-    flops_per_token: Callable[[Any, int, int], float]  # (config, n_params, positions) -> training FLOPs
+    # (config, n_params, positions) -> training FLOPs; a language family's takes per_weight=4 for a frozen base
+    flops_per_token: Callable[..., float]
     task: type  # what it trains on: a podtrain.train.tasks.Task subclass, which names its train keys
     debug: dict[str, int]  # the tiny debug flavor: model keys that make any recipe small (--use-small-model)
     # (model config, params, the step's metrics) -> (params, metrics): what the family updates after

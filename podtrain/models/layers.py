@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models import fused_mlp
+from podtrain.models import fused_mlp, lora
 from podtrain.models.pipeline import pipelined
 from podtrain.sharding import constrain, stages
 
@@ -241,7 +241,9 @@ class SwiGLU(nnx.Module):
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism.
     With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`);
     with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`).
-    With activation="gelu_tanh" it is GeGLU (Gemma), differentiated by autodiff."""
+    With activation="gelu_tanh" it is GeGLU (Gemma), differentiated by autodiff, as are LoRA's adapters."""
+
+    adaptable = {"w_gate": 1, "w_up": 1, "w_down": 1}  # for LoRA (models/lora.py): each weight's input axes
 
     def __init__(
         self,
@@ -268,17 +270,25 @@ class SwiGLU(nnx.Module):
         # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         w_down = self.w_down[...].astype(self.dtype)
-        if self.activation == "gelu_tanh":  # GeGLU (Gemma): autodiff's backward, none of silu's kernels
-            gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
-            hidden = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
-            return constrain(hidden @ w_down, self.x_axes)
-        if self.kernel == "pallas" and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
+        low_rank = lora.adapted(self)
+        plain = low_rank or self.activation != "silu"
+        if self.kernel == "pallas" and not plain and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
             return constrain(fused_mlp.fused_swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
-        if self.recompute:
+        if self.recompute and not plain:
             return constrain(swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
-        gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*self.x_axes[:-1], None, "act_mlp"))
-        hidden = swiglu(gate_up)
-        return constrain(hidden @ w_down, self.x_axes)
+        gate_up = jnp.einsum("...d,dkf->...kf", x, w_in)
+        if low_rank:  # autodiff's backward: the adapters' terms join the plain path
+            terms = [lora.low_rank(self, name, x, self.dtype) for name in ("w_gate", "w_up")]
+            gate_up = gate_up + jnp.stack([jnp.zeros_like(gate_up[..., 0, :]) if t is None else t for t in terms], -2)
+        gate_up = constrain(gate_up, (*self.x_axes[:-1], None, "act_mlp"))
+        if self.activation == "gelu_tanh":  # GeGLU (Gemma): autodiff's backward, none of silu's kernels
+            hidden = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
+        else:
+            hidden = swiglu(gate_up)
+        out = hidden @ w_down
+        if (term := lora.low_rank(self, "w_down", hidden, self.dtype)) is not None:
+            out = out + term
+        return constrain(out, self.x_axes)
 
 
 # What a layer marks with `checkpoint_name(x, KEPT)` is cheaper kept than recomputed, and remat
@@ -307,14 +317,16 @@ def scan_layers(
 
     def run(state, h, args, per_layer):
         def body(h, layer):
-            layer_state, own = layer
+            layer_state, own, index = layer
             module = nnx.merge(graphdef, layer_state)
-            out = module(h, *args, *own)
+            with lora.layer(index):
+                out = module(h, *args, *own)
             return out if getattr(module, "reports", False) else (out, None)
 
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-        return jax.lax.scan(body, h, (state, per_layer), unroll=1 if unroll == "auto" else unroll)
+        indices = jnp.arange(jax.tree.leaves(state)[0].shape[0])
+        return jax.lax.scan(body, h, (state, per_layer, indices), unroll=1 if unroll == "auto" else unroll)
 
     n_stages, pipeline = stages()
     if n_stages == 1 or jax.tree.leaves(x)[0].shape[0] % pipeline.microbatches:  # a prompt: no pipeline

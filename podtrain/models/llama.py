@@ -260,15 +260,16 @@ class Llama(nnx.Module):
         return state
 
 
-def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4), plus
+def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int, per_weight: int = 6) -> float:
+    """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4; `per_weight`=4
+    for frozen weights, which get no gradient of their own), plus
     attention scores and values, 12 * n_heads * head_dim per key a query sees, counted causally
     (PaLM appendix B counts all seq_len keys; a causal query sees (seq_len + 1) / 2 on average, as
     MaxText counts), a sliding layer's at most its window. The embedding lookup is free unless
     tied to the head."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     keys = [causal_keys(seq_len, w) for w in cfg.layer_windows() or [0] * cfg.n_layers]
-    return 6 * matmul_params + 12 * cfg.n_heads * cfg.head_size * sum(keys)
+    return per_weight * matmul_params + 12 * cfg.n_heads * cfg.head_size * sum(keys)
 
 
 def causal_keys(t: int, window: int = 0) -> float:

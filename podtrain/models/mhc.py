@@ -340,11 +340,11 @@ class Mhc(llama.Llama):
         return functools.reduce(operator.add, state)
 
 
-def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int, per_weight: int = 6) -> float:
     """Llama's count (φ is among the matmul weights) plus the stream mixing of 2 sub-layers per
     layer: H_res·x, H_pre·x and H_postᵀ·y, (n² + 2n)·C multiply-adds each, 6 FLOPs per training pass."""
     n = cfg.streams
-    return llama.flops_per_token(cfg, n_params, seq_len) + 6 * 2 * cfg.n_layers * (n * n + 2 * n) * cfg.d_model
+    return llama.flops_per_token(cfg, n_params, seq_len, per_weight) + 12 * cfg.n_layers * (n * n + 2 * n) * cfg.d_model
 
 
 FAMILY = Family("mhc", MhcConfig, Mhc, flops_per_token, LanguageTask, llama.DEBUG)

@@ -192,10 +192,10 @@ def update_router_bias(cfg: MoeConfig, params, metrics: dict):
     return {**params, "layers": {**params["layers"], "mlp": {**mlp, "router_bias": bias}}}, metrics
 
 
-def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int) -> float:
+def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int, per_weight: int = 6) -> float:
     """Llama's count of the parameters a token uses: of each MoE layer's experts, its k."""
     idle = (cfg.experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.expert_width
-    return llama.flops_per_token(cfg, n_params - (cfg.n_layers - cfg.first_dense_layers) * idle, seq_len)
+    return llama.flops_per_token(cfg, n_params - (cfg.n_layers - cfg.first_dense_layers) * idle, seq_len, per_weight)
 
 
 DEBUG = {**llama.DEBUG, "expert_d_ff": 96}

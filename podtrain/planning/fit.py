@@ -36,7 +36,7 @@ class Memory:
 
     params: int
     optimizer: int  # moments, and the EMA where the run keeps one
-    gradients: int  # a float32 copy of the local params, live inside the step (part of temporaries)
+    gradients: int  # a float32 copy of the local trained params, live inside the step (part of temporaries)
     temporaries: int | None  # XLA's temp buffers: activations, gradients, workspace (None: not compiled)
     total: int  # the step's peak: its arguments, temporaries and the outputs that do not reuse an argument
     available: float  # what one device holds
@@ -79,10 +79,12 @@ def measure(job: Job, available: float) -> tuple[Memory, object | None]:
     """The step's memory per device, and the compiled step (None where it was not compiled or
     did not fit the TPU compiler)."""
     state = job.abstract_state
-    params = local_bytes(state["params"])
+    trained = local_bytes(state["params"])  # and their gradients; LoRA's frozen base has none
+    params = trained + local_bytes(state.get("base", {}))
     optimizer = local_bytes(state["opt"]) + local_bytes(state.get("ema", {}))
-    whole = 2 * global_bytes(state["params"]) + global_bytes(state["opt"]) + global_bytes(state.get("ema", {}))
-    memory = Memory(params, optimizer, params, None, 2 * params + optimizer, available, whole)
+    kept = {k: v for k, v in state.items() if k in ("params", "base", "opt", "ema")}
+    whole = global_bytes(kept) + global_bytes(state["params"])
+    memory = Memory(params, optimizer, trained, None, params + trained + optimizer, available, whole)
     if memory.total > available:
         return memory, None
     try:

@@ -177,6 +177,11 @@ def configuration_page() -> str:
             parts += [f"\n## {f.name}\n\n", _table(hints[f.name], f"{f.name}.")]
 
     parts += ["\n## train\n\n### Keys of every task\n\n", _table(TrainConfig, "train.")]
+    train_hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if dataclasses.is_dataclass(train_hints[f.name]):
+            line = _doc_line(train_hints[f.name])
+            parts += [f"\n### `train.{f.name}`\n\n{line}\n\n", _table(train_hints[f.name], f"train.{f.name}.")]
     by_task: dict[type, list[str]] = {}
     for name, family in MODELS.items():
         by_task.setdefault(family.train_config, []).append(name)

@@ -132,7 +132,7 @@ class Checkpointer:
     def save(self, state: dict) -> None:
         step = int(jax.device_get(state["step"]))
         self.wait()  # a failed earlier save is reported as its own step's
-        arrays = {name: tree for name, tree in state.items() if name != "step"}
+        arrays = {name: tree for name, tree in state.items() if name in ITEMS}  # not LoRA's base: init_from's
         self.needed = sum(x.nbytes for x in jax.tree.leaves(arrays))
         if (
             not self.warned

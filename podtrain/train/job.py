@@ -18,6 +18,7 @@ from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS, family
 from podtrain.sharding import Pipeline, batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
+from podtrain.train.checkpoint import ITEMS
 from podtrain.train.digest import leaf_name
 from podtrain.train.state import TrainSetup, init_state, train_setup
 from podtrain.train.step import make_train_step, mean_over_batches
@@ -64,6 +65,11 @@ class Job:
         state = init_state(self.setup, seed, params)
         return state if self.task.carry is None else {**state, "carry": self.task.initial_carry()}
 
+    @property
+    def saved_state(self) -> dict:
+        """The items of the state a checkpoint keeps: not the step (its name), nor LoRA's base."""
+        return {k: v for k, v in self.abstract_state.items() if k in ITEMS}
+
     def evaluate(self, params) -> dict:
         return mean_over_batches(self.eval_step, params, self.task.eval_batches)
 
@@ -98,7 +104,8 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     after = family(cfg.model).after_step
-    after_step = None if after is None else functools.partial(after, cfg.model)
+    # Under LoRA the base, an MoE router's bias with it, stays as it was.
+    after_step = None if after is None or "base" in abstract_state else functools.partial(after, cfg.model)
     pipeline = Pipeline(cfg.pipeline.microbatches, cfg.pipeline.repeats)
     step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, pipeline)
     eval_step = sharded_jit(
@@ -108,7 +115,13 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions
-    flops_per_step = record.flops_per_token(cfg.model, fns.n_params, task.positions) * tokens_per_step
+    trained = sum(s.size for s in jax.tree.leaves(abstract_state["params"]))
+    if "base" in abstract_state:  # LoRA: the base's weights get no gradient, the adapters' do
+        per_token = record.flops_per_token(cfg.model, fns.n_params - trained, task.positions, per_weight=4)
+        per_token += 6 * trained
+    else:
+        per_token = record.flops_per_token(cfg.model, fns.n_params, task.positions)
+    flops_per_step = per_token * tokens_per_step
     return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step, grad_accum)
 
 

@@ -7,15 +7,14 @@ from contextlib import closing, nullcontext
 
 import jax
 import numpy as np
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import storage
 from podtrain.config.saved import differences
 from podtrain.config.schema import Config
-from podtrain.errors import CheckpointError, ConfigError
-from podtrain.interop.hf import checkpoint as hf_checkpoint
-from podtrain.interop.hf import config_json, families
+from podtrain.errors import CheckpointError
 from podtrain.planning import fit
 from podtrain.runtime import distributed
 from podtrain.train import optim, replica
@@ -25,21 +24,35 @@ from podtrain.train.hooks import TrainHooks, fmt_metrics
 from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
-from podtrain.train.run import Run, on_this_machine
+from podtrain.train.run import Run, on_this_machine, starting_weights
 from podtrain.train.state import weights
 from podtrain.train.trainer import Trainer
 
 
 def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
     """The state of the run's newest intact checkpoint (damaged newer ones set aside); from weights
-    alone (a checkpoint `convert` wrote, or train.init_from) a fresh optimizer; else a new state."""
+    alone (a checkpoint `convert` wrote, or train.init_from) a fresh optimizer; else a new state.
+    LoRA's checkpoints keep the adapters: the base is read again from train.init_from."""
+    state = _resumed(job, checkpointer, cfg, say)
+    if "base" in job.abstract_state and "base" not in state:
+        saved = yaml.safe_load((storage.path(cfg.run_dir) / "config.yaml").read_text())
+        trained_on = saved.get("train", {}).get("init_from")
+        if trained_on != cfg.train.init_from:
+            raise CheckpointError(
+                f"The adapters in {cfg.checkpoint_dir} were trained on train.init_from={trained_on}, not "
+                f"{cfg.train.init_from}; resume with their base, or use a new run_dir."
+            )
+        state["base"] = starting_weights(cfg.train.init_from, job.setup.abstract_start, cfg)
+    return state
+
+
+def _resumed(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
     latest = checkpointer.latest_step()
     if state := from_replica(job, checkpointer, cfg, latest, say):
         return state
     if latest is not None and checkpointer.holds(latest, "opt"):
         try:
-            abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
-            return checkpointer.restore(abstract, set_aside=True, say=say)
+            return checkpointer.restore(job.saved_state, set_aside=True, say=say)
         except CheckpointMismatch as e:
             saved = storage.path(cfg.run_dir) / "config.yaml"
             changed = (
@@ -49,20 +62,20 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
             raise CheckpointError(
                 f"{e}{why} Resume with the config the run was trained with, or use a new run_dir."
             ) from None
-    abstract = job.setup.fns.abstract_params
+    abstract = job.setup.abstract_start
     if latest is not None:
         say(f"[podtrain] starting from the weights of step {latest} in {cfg.checkpoint_dir}, with a fresh optimizer")
         return job.init_state(cfg.seed, checkpointer.restore({"params": abstract}, say=say)["params"])
     if cfg.train.init_from:
         say(f"[podtrain] starting from the weights of {cfg.train.init_from}, with a fresh optimizer")
-        return job.init_state(cfg.seed, initial_weights(cfg.train.init_from, abstract, cfg))
+        return job.init_state(cfg.seed, starting_weights(cfg.train.init_from, abstract, cfg))
     return job.init_state(cfg.seed)
 
 
 def from_replica(job: Job, checkpointer: Checkpointer, cfg: Config, latest: int | None, say) -> dict | None:
     """The state the processes left after a loss wrote out (podtrain.train.replica), where it is newer
     than the newest checkpoint and whole: saved at once as a checkpoint of its step."""
-    abstract = {k: v for k, v in job.abstract_state.items() if k != "step"}
+    abstract = job.saved_state
     found = replica.newest(cfg.checkpoint_dir, abstract, latest)
     if found is None:
         return None
@@ -75,37 +88,6 @@ def from_replica(job: Job, checkpointer: Checkpointer, cfg: Config, latest: int 
     if jax.process_index() == 0:
         replica.discard(cfg.checkpoint_dir)
     return state
-
-
-def initial_weights(source: str, abstract_params, cfg: Config):
-    """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
-    a Hugging Face checkpoint (a folder or a hub name), checked against this config's sizes."""
-    if (storage.path(source) / "config.yaml").is_file():
-        checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
-        try:
-            return checkpointer.restore_weights(abstract_params)[1]
-        except CheckpointMismatch as e:
-            changed = [d for d in differences(storage.path(source) / "config.yaml", cfg) if d.startswith("model.")]
-            raise CheckpointError(
-                f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; "
-                "give this run the same model keys."
-            ) from None
-        finally:
-            checkpointer.close()
-    folder = hf_checkpoint.hf_folder(source)
-    hf = hf_checkpoint.read_hf_config(folder)
-    keys = config_json.model_keys(hf, source)
-    if cfg.model.name == keys["name"]:
-        changed = config_json.shape_differences(keys, cfg.model)
-    else:
-        changed = [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
-    if changed:
-        raise ConfigError(
-            f"train.init_from={source} is a model of other sizes or options: {'; '.join(changed)}. Give this run "
-            "its model keys (the config.yaml `podtrain convert --from-hf` writes has them)."
-        )
-    table, elsewhere = families.tensor_layout(hf)
-    return hf_checkpoint.read_params(folder, abstract_params, table, source, elsewhere)
 
 
 def train(cfg: Config) -> dict:
@@ -122,6 +104,14 @@ def train(cfg: Config) -> dict:
         return _train(cfg, rt, run, job, memory, goodput)
 
 
+def _adapted(cfg: Config, job: Job) -> str:
+    """What LoRA trains of the model, for the first line of a run."""
+    if not cfg.train.lora.rank:
+        return ""
+    trained = sum(s.size for s in jax.tree.leaves(job.abstract_state["params"]))
+    return f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.train.lora.rank} on {', '.join(cfg.train.lora.targets)})"
+
+
 def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goodput) -> dict:
     t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
@@ -133,7 +123,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
         run.keep(cfg, task.tokenizer)
     begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
     console.print(
-        f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params, "
+        f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params{_adapted(cfg, job)}, "
         f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
     )
     console.print(f"[podtrain] step memory: {memory.summary()}")

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from podtrain import storage
+from podtrain.train.checkpoint import ITEMS
 from podtrain.train.digest import leaf_name
 
 FOLDER = "replica"
@@ -43,7 +44,7 @@ class HostCopy:
         self.kept, self.holders = None, {}  # (step, {shard key: host array}), replaced whole
 
     def keep(self, state: dict) -> None:
-        leaves = jax.tree_util.tree_flatten_with_path({k: v for k, v in state.items() if k != "step"})[0]
+        leaves = jax.tree_util.tree_flatten_with_path({k: v for k, v in state.items() if k in ITEMS})[0]
         if not self.holders:  # which processes hold each shard (the layout stays), to write each once
             for path, x in leaves:
                 for device, index in x.sharding.devices_indices_map(x.shape).items():

@@ -12,17 +12,22 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+
 from podtrain import runtime, storage
 from podtrain.config.checks import resolve_auto
-from podtrain.config.saved import run_config, save_config
+from podtrain.config.saved import differences, run_config, save_config
 from podtrain.config.schema import Config, MeshConfig
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
-from podtrain.errors import ConfigError, DataError
+from podtrain.errors import CheckpointError, ConfigError, DataError
+from podtrain.interop.hf import checkpoint as hf_checkpoint
+from podtrain.interop.hf import config_json, families
 from podtrain.models import MODELS, family
 from podtrain.planning import fit
 from podtrain.runtime.chips import device_memory
-from podtrain.train import lease
-from podtrain.train.checkpoint import Checkpointer
+from podtrain.train import adapters, lease
+from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.state import ModelFns, model_fns
 from podtrain.train.tasks.language import LanguageTask
 
@@ -97,15 +102,20 @@ class Run:
 
     def model(self, step: int | None = None) -> tuple[Config, ModelFns, int, object]:
         """(config, model functions, step, weights) of the latest checkpoint or of `step` (its EMA
-        where it kept one), on this machine's devices with the params replicated."""
+        where it kept one), on this machine's devices with the params replicated. A LoRA run's
+        weights are its base (train.init_from's, as stored there) with the checkpoint's adapters."""
         cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
         rt, cfg = on_this_machine(cfg, announce=False)
         fns = model_fns(cfg, rt.mesh)
+        trained, base = adapters.split(fns.abstract_params) if cfg.train.lora.rank else (fns.abstract_params, None)
         checkpointer = Checkpointer(self.checkpoint_dir)
         try:
-            return cfg, fns, *checkpointer.restore_weights(fns.abstract_params, step)
+            step, params = checkpointer.restore_weights(trained, step)
         finally:
             checkpointer.close()
+        if base is not None:
+            params = adapters.union(starting_weights(cfg.train.init_from, base, cfg), params)
+        return cfg, fns, step, params
 
     def language_model(self) -> tuple[Config, ModelFns, object]:
         """(config, model functions, weights) of the latest checkpoint, for generate and export."""
@@ -117,3 +127,37 @@ class Run:
             )
         cfg, fns, _, params = self.model()
         return cfg, fns, params
+
+
+def starting_weights(source: str, abstract_params, cfg: Config):
+    """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
+    a Hugging Face checkpoint (a folder or a hub name), checked against this config's sizes and
+    cast to the dtypes of `abstract_params` (LoRA's base: the compute dtype)."""
+    if (storage.path(source) / "config.yaml").is_file():
+        checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
+        saved = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=s.sharding), abstract_params)
+        try:  # a run's weights are float32, its master copy
+            weights = checkpointer.restore_weights(saved)[1]
+            return jax.tree.map(lambda x, s: x.astype(s.dtype), weights, abstract_params)
+        except CheckpointMismatch as e:
+            changed = [d for d in differences(storage.path(source) / "config.yaml", cfg) if d.startswith("model.")]
+            raise CheckpointError(
+                f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; "
+                "give this run the same model keys."
+            ) from None
+        finally:
+            checkpointer.close()
+    folder = hf_checkpoint.hf_folder(source)
+    hf = hf_checkpoint.read_hf_config(folder)
+    keys = config_json.model_keys(hf, source)
+    if cfg.model.name == keys["name"]:
+        changed = config_json.shape_differences(keys, cfg.model)
+    else:
+        changed = [f"model.name ({keys['name']} there, {cfg.model.name} here)"]
+    if changed:
+        raise ConfigError(
+            f"train.init_from={source} is a model of other sizes or options: {'; '.join(changed)}. Give this run "
+            "its model keys (the config.yaml `podtrain convert --from-hf` writes has them)."
+        )
+    table, elsewhere = families.tensor_layout(hf)
+    return hf_checkpoint.read_params(folder, abstract_params, table, source, elsewhere)

@@ -8,8 +8,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from podtrain.models import lora
 from podtrain.sharding import GPIPE, Pipeline, batch_sharding, sharded_jit, shardings_of
-from podtrain.train import optim
+from podtrain.train import adapters, optim
 from podtrain.train.state import TrainSetup
 
 
@@ -39,23 +40,25 @@ def make_train_step(
     tx, lr, fns = setup.tx, optim.schedule(cfg_train), setup.fns
     param_shardings = shardings_of(setup.abstract_state["params"])
 
-    def params_loss(params, carry, micro, key):
-        return loss_fn(fns.module(params), carry, micro, key)
+    def params_loss(params, base, carry, micro, key):
+        model = fns.module(params if base is None else adapters.union(base, params))
+        with lora.dropout_key(jax.random.fold_in(key, 1) if cfg_train.lora.dropout else None):
+            return loss_fn(model, carry, micro, key)
 
     def step(state, batch):
-        params, n_micro = state["params"], batch.shape[0]
+        params, base, n_micro = state["params"], state.get("base"), batch.shape[0]
         keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), state["step"]), n_micro)
 
         def accumulate(grads, xs):
             carry, micro, key = xs
-            (loss, (carry, metrics)), g = jax.value_and_grad(params_loss, has_aux=True)(params, carry, micro, key)
+            (loss, (carry, metrics)), g = jax.value_and_grad(params_loss, has_aux=True)(params, base, carry, micro, key)
             return jax.tree.map(jnp.add, grads, g), (carry, {"loss": loss, **metrics})
 
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_shardings)
         grads, (carry, metrics) = jax.lax.scan(accumulate, zeros, (state.get("carry"), batch, keys))
         grads = jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt = tx.update(grads, state["opt"], params)
-        updated = {"params": optax.apply_updates(params, updates), "opt": opt}
+        updated = {"params": optax.apply_updates(params, updates), "opt": opt}  # LoRA's base stays as it was
         if carry is not None:
             updated["carry"] = carry
         if "ema" in state:
@@ -67,7 +70,7 @@ def make_train_step(
         # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         kept = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in updated.items()}
-        return {**kept, "step": state["step"] + 1}, {
+        return {**state, **kept, "step": state["step"] + 1}, {
             **metrics,
             "grad_norm": grad_norm,
             "lr": lr(state["step"]),

@@ -241,8 +241,8 @@ def _stacked(pieces, leaf: jax.ShapeDtypeStruct, lead: int) -> jax.Array:
     return stack
 
 
-def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
-    """`params` under `table`'s names in torch's layouts in `dtype`: one model.safetensors, or
+def write_params(params, out: Path, table: dict, dtype: str, stem: str = "model") -> list[str]:
+    """`params` under `table`'s names in torch's layouts in `dtype`: one model.safetensors (`stem`), or
     shards of at most SHARD_BYTES with model.safetensors.index.json. Returns the files written."""
     from safetensors.numpy import save_file
 
@@ -284,9 +284,9 @@ def write_params(params, out: Path, table: dict, dtype: str) -> list[str]:
         shards[-1].append(entry)
         size, total = size + nbytes, total + nbytes
     names = (
-        ["model.safetensors"]
+        [f"{stem}.safetensors"]
         if len(shards) == 1
-        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        else [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     )
     weight_map = {}
     for file, shard in zip(names, shards):

@@ -233,9 +233,10 @@ def export_family(model) -> HfFamily:
     return family
 
 
-def hf_config(model, eos_id: int | None, dtype: str) -> dict:
-    """config.json of `model.hf_type` for podtrain's decoder config `model`; the rotary settings in
-    the rope_theta/rope_scaling form that transformers 4 and 5 both read."""
+def hf_config(model, token_ids: dict, dtype: str) -> dict:
+    """config.json of `model.hf_type` for podtrain's decoder config `model` with `token_ids` (bos, eos
+    and pad: an id, a list of eos ids, or None); the rotary settings in the rope_theta/rope_scaling
+    form that transformers 4 and 5 both read."""
     family = export_family(model)
     scaling = None
     if model.rope_scaling == "llama3":
@@ -270,9 +271,9 @@ def hf_config(model, eos_id: int | None, dtype: str) -> dict:
         "rope_scaling": scaling,
         "max_position_embeddings": model.max_seq_len,
         "tie_word_embeddings": model.tie_embeddings,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,  # a family's default may lie outside this vocabulary (Phi-3: 32000)
+        "bos_token_id": token_ids.get("bos_token_id"),
+        "eos_token_id": token_ids.get("eos_token_id"),
+        "pad_token_id": token_ids.get("pad_token_id"),  # None, not a family's default outside this vocabulary
         "torch_dtype": dtype,
         family.activation[0]: family.activation[1],
     }

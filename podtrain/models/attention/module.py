@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models import lora
 from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
@@ -22,6 +23,8 @@ class Attention(nnx.Module):
     q, k and v projections ("qkv", Qwen2) or on all four ("all"), `qk_norm`, an RMSNorm over
     head_dim of each query and key head before the rotation (Qwen3, Gemma 3), the scores' `scale`
     (Gemma's query_pre_attn_scalar^-0.5) and their `softcap` (Gemma 2)."""
+
+    adaptable = {"wq": 1, "wk": 1, "wv": 1, "wo": 2}  # for LoRA (models/lora.py): each weight's input axes
 
     def __init__(
         self,
@@ -72,11 +75,12 @@ class Attention(nnx.Module):
         names = ("wq", "wk", "wv") + (("bq", "bk", "bv") if self.bias != "none" else ())
         w = {name: getattr(self, name)[...].astype(self.dtype) for name in names}
         d, n_heads, head_dim = w["wq"].shape
-        n_kv, kv_axes = w["wk"].shape[1], KV_HEADS
+        n_kv, kv_axes, copies = w["wk"].shape[1], KV_HEADS, 1
         if share_kv and n_kv % shards("act_heads", n_heads):
+            copies = n_heads // n_kv
             for name in ("wk", "wv", "bk", "bv"):
                 if name in w:  # heads: axis 1 of a weight, 0 of a bias
-                    w[name] = jnp.repeat(w[name], n_heads // n_kv, axis=1 if name[0] == "w" else 0)
+                    w[name] = jnp.repeat(w[name], copies, axis=1 if name[0] == "w" else 0)
             n_kv, kv_axes = n_heads, HEADS
         group = n_heads // n_kv
 
@@ -93,9 +97,19 @@ class Attention(nnx.Module):
         qkv = constrain(qkv, (*kv_axes[:3], None, "act_head_dim"))
         q = constrain(qkv[:, :, :, :group].reshape(*x_BTD.shape[:2], n_heads, head_dim), HEADS)
         k, v = (constrain(qkv[:, :, :, i], kv_axes) for i in (group, group + 1))
+        if lora.adapted(self):
+            q = self.plus_low_rank(q, "wq", x_BTD, HEADS)
+            k, v = (self.plus_low_rank(y, name, x_BTD, kv_axes, copies) for y, name in ((k, "wk"), (v, "wv")))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def plus_low_rank(self, y: jax.Array, name: str, x: jax.Array, axes, copies: int = 1) -> jax.Array:
+        """y plus the LoRA term of projection `name` of x, its heads repeated as the weight's were."""
+        term = lora.low_rank(self, name, x, self.dtype)
+        if term is None:
+            return y
+        return constrain(y + (jnp.repeat(term, copies, axis=2) if copies > 1 else term), axes)
 
     def splash(self, q, k, v, segments, window, order=None) -> jax.Array:
         """The splash kernel with this layer's window: its mask is static, so a stack whose layers
@@ -111,6 +125,8 @@ class Attention(nnx.Module):
 
     def output(self, out_BTNH: jax.Array) -> jax.Array:
         out = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype))
+        if (term := lora.low_rank(self, "wo", out_BTNH, self.dtype)) is not None:
+            out = out + term
         return constrain(out + self.bo[...].astype(self.dtype)[None, None] if self.bias == "all" else out, ACT)
 
     def __call__(

@@ -1,0 +1,119 @@
+"""LoRA in training (train.lora): which weights take adapters (models/lora.py), the params split into
+the adapters, which the optimizer trains and the checkpoints keep, and the frozen base, and the
+adapters merged into the base or named as PEFT names them, for export.
+
+Params are nested dicts (nnx.to_pure_dict); an adapter is the subtree `lora_<weight>` = {a, b}
+beside its weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from podtrain.config.schema import Config
+from podtrain.errors import ConfigError
+from podtrain.interop.hf.families import LLAMA_TENSORS
+from podtrain.models import lora
+
+# podtrain's weight -> the Hugging Face projection it is (wq -> q_proj), from the tensor table.
+PROJECTIONS = {
+    path.rsplit("/", 1)[1]: name.split(".")[-2]
+    for path, (name, *_) in LLAMA_TENSORS.items()
+    if name.endswith("_proj.weight")
+}
+
+
+def weights_adapted(cfg: Config) -> set[str]:
+    """The model's weights that train.lora.targets names."""
+    if not cfg.train.init_from:
+        raise ConfigError(
+            "train.lora.rank > 0 trains adapters on a base model; set train.init_from to its weights (a podtrain "
+            "run directory, or a Hugging Face folder or hub name)."
+        )
+    if cfg.train.lora.dropout and cfg.mesh.stage > 1:
+        raise ConfigError(
+            f"train.lora.dropout={cfg.train.lora.dropout} with mesh.stage={cfg.mesh.stage}: in a pipeline the "
+            "microbatches of a step would share their dropout masks; set train.lora.dropout=0 or mesh.stage=1."
+        )
+    targets = cfg.train.lora.targets
+    unknown = sorted(set(targets) - set(PROJECTIONS.values()))
+    if unknown or not targets:
+        raise ConfigError(
+            f"train.lora.targets={list(targets)}: {', '.join(unknown) or 'none given'} is not a projection LoRA "
+            f"adapts; name some of {', '.join(PROJECTIONS.values())}."
+        )
+    return {weight for weight, projection in PROJECTIONS.items() if projection in targets}
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+    """(the adapters, the rest) of a params tree, each a tree of the same nesting."""
+    adapters, rest = {}, {}
+    for key, value in tree.items():
+        if str(key).startswith(lora.PREFIX):
+            adapters[key] = value
+        elif isinstance(value, dict):
+            inner_adapters, inner_rest = split(value)
+            if inner_adapters:
+                adapters[key] = inner_adapters
+            if inner_rest:
+                rest[key] = inner_rest
+        else:
+            rest[key] = value
+    return adapters, rest
+
+
+def union(base: dict, adapters: dict) -> dict:
+    """The params tree of both halves (the inverse of `split`)."""
+    whole = dict(base)
+    for key, value in adapters.items():
+        whole[key] = union(whole[key], value) if isinstance(value, dict) and key in whole else value
+    return whole
+
+
+def merged(params: dict, scale: float) -> dict:
+    """The weights alone, each adapted one W + scale A B, as host arrays in W's dtype."""
+    adapters, base = split(params)
+
+    def merge(base: dict, adapters: dict) -> dict:
+        out = dict(base)
+        for key, value in adapters.items():
+            if not str(key).startswith(lora.PREFIX):
+                out[key] = merge(base[key], value)
+                continue
+            weight = key.removeprefix(lora.PREFIX)
+            w = np.asarray(jax.device_get(base[weight]))
+            a, b = (np.asarray(jax.device_get(value[k]), np.float32) for k in "ab")
+            lead = a.ndim + b.ndim - 2 - w.ndim  # the stacked layers' axes, which W, A and B share
+            a, b = a.reshape(*a.shape[:lead], -1, a.shape[-1]), b.reshape(*b.shape[: lead + 1], -1)
+            delta = np.einsum("...ir,...ro->...io", a, b)
+            out[weight] = (w.astype(np.float32) + scale * delta.reshape(w.shape)).astype(w.dtype)
+        return out
+
+    return merge(base, adapters)
+
+
+def peft_table(tensors: dict, adapters: dict) -> dict:
+    """PEFT's names for `adapters` from a family's tensor table: A as lora_A (rank, in), B as lora_B
+    (out, rank) of the projection, under base_model.model. Fused projections (Phi-3's qkv_proj) have
+    one adapter in PEFT and separate ones here: refused."""
+    table = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]:
+        keys = [str(k.key) for k in path]
+        weight = "/".join([*keys[:-2], keys[-2].removeprefix(lora.PREFIX)])
+        name, in_axes, *part = tensors[weight]
+        if part:
+            raise ConfigError(
+                f"{name} fuses several projections in one tensor, which PEFT adapts as one; export the model "
+                "with the adapters merged (convert --to-hf without --adapter)."
+            )
+        matrix = "lora_A" if keys[-1] == "a" else "lora_B"
+        peft_name = f"base_model.model.{name.removesuffix('.weight')}.{matrix}.weight"
+        table["/".join(keys)] = (peft_name, in_axes if matrix == "lora_A" else 1)
+    return table
+
+
+def compute_dtype(abstract, dtype) -> dict:
+    """`abstract` (ShapeDtypeStructs) in `dtype`, with the same shardings."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=s.sharding), abstract)
