@@ -3,8 +3,9 @@ state memory, the compiled step's matmul FLOPs and its wall time.
 
 checkpoint_stall.py's ~50M-parameter Llama (random weights: a step costs the same whatever they
 are), its full step and its LoRA step (rank 8 on every attention and MLP projection) run
-alternately; the step time is the median over the repeats. The frozen base gets no weight gradient, so the LoRA step's matmuls
-are about 2/3 of the full step's. Ratios are the signal; absolute times on a shared machine are noise.
+alternately; the step time is the median over the repeats. The frozen base gets no weight
+gradient, so the LoRA step's matmuls are about 2/3 of the full step's. Ratios are the signal;
+absolute times on a shared machine are noise.
 
     .venv/bin/python bench/lora_vs_full.py [--steps 8] [--repeats 3] [--rank 8]
 """
