@@ -17,9 +17,9 @@ WORDS = (
 SYSTEMS = ["You are a helpful assistant.", "Answer in one short sentence.", "You are a careful calculator."]
 
 
-def exchange(rng: random.Random) -> tuple[str, str]:
+def exchange(rng: random.Random, largest: int = 49) -> tuple[str, str]:
     kind = rng.randrange(4)
-    a, b, word = rng.randrange(1, 50), rng.randrange(1, 50), rng.choice(WORDS)
+    a, b, word = rng.randrange(1, largest + 1), rng.randrange(1, largest + 1), rng.choice(WORDS)
     if kind == 0:
         return f"What is {a} + {b}?", f"{a} + {b} = {a + b}."
     if kind == 1:

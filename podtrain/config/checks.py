@@ -79,10 +79,18 @@ def validate(cfg: Config) -> None:
             "data.reset_positions=true restarts positions at each packed document, and data.pack=concat packs none "
             "apart; set data.pack=documents (or data.format=chat), or data.reset_positions=false."
         )
-    if data.format == "chat" and data.source != "text":
+    if data.format in ("chat", "pairs") and data.source != "text":
         raise ConfigError(
-            f"data.format=chat reads conversations from a JSONL file or folder: set data.source=text and "
-            f"data.path=FILE_OR_DIR (not data.source={data.source})."
+            f"data.format={data.format} reads {'conversations' if data.format == 'chat' else 'preference pairs'} from "
+            f"a JSONL file or folder: set data.source=text and data.path=FILE_OR_DIR (not data.source={data.source})."
+        )
+    if (getattr(t, "objective", "lm") == "dpo") != (data.format == "pairs"):
+        raise ConfigError(
+            "train.objective=dpo learns from preference pairs: set data.format=pairs too (JSONL lines of "
+            '{"prompt", "chosen", "rejected"})."'
+            if data.format != "pairs"
+            else "data.format=pairs holds preference pairs, which only train.objective=dpo learns from: set "
+            "train.objective=dpo (or data.format=chat to fine-tune on conversations)."
         )
     if cfg.mesh.context != 1 and attention == "cudnn":
         raise ConfigError(

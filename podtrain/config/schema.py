@@ -254,10 +254,11 @@ class DataConfig:
     tokenizer: str = key(
         "auto", "auto (the shards' own for tokens, else bytes), bytes, a folder with tokenizer.json, or a hub model"
     )
-    format: Literal["text", "chat"] = key(
+    format: Literal["text", "chat", "pairs"] = key(
         "text",
         'text: documents to model whole; chat: JSONL conversations ({"messages": [{role, content}]}) rendered with '
-        "the tokenizer's chat template, trained on the assistant's tokens only, packed apart",
+        "the tokenizer's chat template, trained on the assistant's tokens only, packed apart; pairs: JSONL "
+        'preference pairs ({"prompt" or "messages", "chosen", "rejected"}) for train.objective=dpo, one a row',
     )
     pack: Literal["concat", "documents"] = key(
         "concat", "concat: documents joined by EOS into rows; documents: attention stays inside each document"

@@ -13,6 +13,7 @@ the text for the reply; the tokens whose first character lies in one are trained
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -150,35 +151,44 @@ def read_conversations(path: str) -> list[list[dict]]:
             "data.format=chat trains on conversations and data.path is not set: give data.path=FILE_OR_DIR, a "
             'JSONL file (or folder of them) of {"messages": [{"role": ..., "content": ...}, ...]} lines.'
         )
-    folder = storage.path(path)
-    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else [folder]
-    if not files or not files[0].is_file():
-        raise DataError(f"data.path={path} is not a JSONL file of conversations or a folder of them.")
     conversations = []
-    for file in files:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-                if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
-                raise DataError(
-                    f"{file}:{number} is not a conversation: each line of a chat file is "
-                    '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.'
-                ) from None
-            conversations.append(messages)
+    for where, line in jsonl_lines(path, "conversations"):
+        try:
+            messages = json.loads(line)["messages"]
+            if not all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise DataError(
+                f"{where} is not a conversation: each line of a chat file is "
+                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}.'
+            ) from None
+        conversations.append(messages)
     return conversations
 
 
-def encode(tokenizer, renderer: Renderer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """A conversation's tokens and which of them are trained (the assistant's)."""
+def jsonl_lines(path: str, what: str) -> Iterator[tuple[str, str]]:
+    """("FILE:LINE", line) for each line with text of a JSONL file, or of every *.jsonl file in a
+    folder, in order; an error if `path` is neither (a file or folder of `what`)."""
+    folder = storage.path(path)
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else [folder]
+    if not files or not files[0].is_file():
+        raise DataError(f"data.path={path} is not a JSONL file of {what} or a folder of them.")
+    for file in files:
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if line.strip():
+                yield f"{file}:{number}", line
+
+
+def encode(
+    tokenizer, renderer: Renderer, messages: list[dict], turns: slice = slice(None)
+) -> tuple[np.ndarray, np.ndarray]:
+    """A conversation's tokens and which of them are trained: the assistant's (`turns` of them; a
+    preference pair's reply is the last)."""
     text, spans = renderer.assistant_spans(messages)
     encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
     starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
     trained = np.zeros(len(starts), bool)
-    for start, end in spans:
+    for start, end in spans[turns]:
         trained |= (starts >= start) & (starts < end)
     return np.asarray(encoding.ids, np.int32), trained
 

@@ -121,6 +121,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
     start = int(jax.device_get(state["step"]))
     if rt.is_main:
         run.keep(cfg, task.tokenizer)
+    task.start(job.setup.fns, weights(state), run.dir, start)  # before its summary: DPO's reference goes in it
     begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
     console.print(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params{_adapted(cfg, job)}, "

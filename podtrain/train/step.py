@@ -98,6 +98,14 @@ def _pool(metric) -> jax.Array:
 
 def mean_over_batches(eval_step, params, batches) -> dict:
     """The mean over a reader's batches of eval_step(params, batch), a dict of means over the
-    global batch (reduced across all processes inside the step)."""
+    global batch (reduced across all processes inside the step), or of (sum, count) pairs, pooled
+    (so that padding rows, counted in no batch's count, weigh nothing)."""
     results = [jax.device_get(eval_step(params, batches[i])) for i in range(len(batches))]
-    return {k: float(np.mean([res[k] for res in results])) for k in results[0]}
+    return {k: _pooled_over([res[k] for res in results]) for k in results[0]}
+
+
+def _pooled_over(values: list) -> float:
+    if isinstance(values[0], tuple):
+        count = sum(float(c) for _, c in values)
+        return sum(float(s) for s, _ in values) / count if count else float("nan")
+    return float(np.mean(values))

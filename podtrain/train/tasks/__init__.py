@@ -50,6 +50,11 @@ class Task:
         """The carry's value at step 0, laid out like `carry`."""
         return None
 
+    def start(self, fns, params, run_dir, step: int) -> None:
+        """Called once before the first batch is read, with the weights the run starts (or resumes)
+        from at `step`: what the task derives from them (DPO's reference) goes into its data here."""
+        return None
+
     def finish(self, fns, params) -> Any:
         """What to show at the end of training (a sample of text), or None."""
         return None

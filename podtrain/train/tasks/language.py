@@ -1,9 +1,11 @@
-"""Language modelling: next-token loss on windows of packed documents, validation loss, a sample at the end."""
+"""Language modelling: next-token loss on windows of packed documents, validation loss, a sample at the end;
+chat fine-tuning on the assistant's tokens; preference tuning (DPO, tasks/preference.py) on pairs of replies."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +13,26 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podtrain.config.schema import Config, TrainConfig, key
-from podtrain.data import chat
+from podtrain.data import chat, pairs
 from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
 from podtrain.sharding import batch_sharding, context_order
-from podtrain.train.tasks import Task
+from podtrain.train.tasks import Task, preference
 from podtrain.train.tasks.sampling import sample
 
 
 @dataclass
 class TextTrainConfig(TrainConfig):
-    """Language modelling: the window length and the closing sample."""
+    """Language modelling: the window length, the objective and the closing sample."""
 
     seq_len: int = key(256, "tokens per training window", ">= 1")
+    objective: Literal["lm", "dpo"] = key(
+        "lm",
+        "lm: next-token cross entropy; dpo: preference tuning (DPO) on data.format=pairs, the reference being the "
+        "starting weights",
+    )
+    dpo_beta: float = key(0.1, "DPO's beta: how far the rewards' margin is scaled (the KL penalty's weight)", "> 0")
     sample_tokens: int = key(200, "tokens of text sampled from the model at the end; 0: none", ">= 0")
 
 
@@ -50,6 +58,16 @@ def chunked_cross_entropy(
     recomputed in the backward pass: only one chunk's float32 logits (batch, chunk, vocab) exist
     at once, never the whole sequence's. A last, shorter chunk is padded and its padding not counted.
     With `weights` (batch, seq), the weighted mean."""
+    total = chunked_token_sums(logits_fn, x_BTD, targets, chunk, weights).sum()
+    b, t = targets.shape
+    return total / (b * t) if weights is None else total / jnp.maximum(weights.astype(jnp.float32).sum(), 1)
+
+
+def chunked_token_sums(
+    logits_fn, x_BTD: jax.Array, targets: jax.Array, chunk: int, weights: jax.Array | None = None
+) -> jax.Array:
+    """Per sequence (batch,), the (weighted) sum of its tokens' cross entropies, in chunks as
+    `chunked_cross_entropy` takes them."""
     b, t, d = x_BTD.shape
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -61,12 +79,11 @@ def chunked_cross_entropy(
     )
 
     @jax.checkpoint
-    def chunk_sum(xs):
+    def chunk_sums(xs):
         x, target, w = xs
-        return (token_losses(logits_fn(x), target) * w).sum()
+        return (token_losses(logits_fn(x), target) * w).sum(-1)  # (batch,)
 
-    total = jax.lax.map(chunk_sum, chunks).sum()
-    return total / (b * t) if weights is None else total / jnp.maximum(w.sum(), 1)
+    return jax.lax.map(chunk_sums, chunks).sum(0)
 
 
 def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
@@ -85,12 +102,13 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=segment_ids.ndim - 1)
 
 
-def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_positions: bool = False):
+def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_positions: bool = False, score=None):
     """(the model's cross entropy, its auxiliary terms) on windows (batch, seq) of inputs and
     targets, each token attending only within its segment (if `segments`), at positions that
     restart with each (`reset_positions`). Where the mesh splits the sequence (context
     parallelism), the tokens are put in the order that gives every shard the same causal work,
-    with their positions: the loss, a mean, is the same in any order."""
+    with their positions: the loss, a mean, is the same in any order. `score` (`scored`'s
+    arguments) may reduce the token losses otherwise, in a way that order does not change."""
     positions = document_positions(segments) if reset_positions and segments is not None else None
     if (order := context_order(inputs.shape[1])) is not None:
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape) if positions is None else positions
@@ -98,7 +116,7 @@ def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_pos
             None if a is None else a[:, order] for a in (inputs, targets, segments, positions, weights)
         )
     table, x, aux = model.features(inputs, segments, positions)
-    return scored(model, table, x, targets, weights), aux
+    return (score or scored)(model, table, x, targets, weights), aux
 
 
 def trained(cross_entropy: jax.Array, aux: dict) -> tuple[jax.Array, dict]:
@@ -121,6 +139,24 @@ def window_loss(model, tokens: jax.Array, eos_id: int | None = None, reset_posit
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     segments = None if eos_id is None else document_ids(inputs, eos_id)
     return sequence_loss(model, inputs, targets, segments, None, reset_positions)
+
+
+def token_sums(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """Per sequence (batch,), the weighted sum of its tokens' cross entropies, in chunks of
+    model.loss_chunk positions if set."""
+    chunk = model.cfg.loss_chunk
+    if chunk and chunk < x.shape[1]:
+        return chunked_token_sums(lambda x: model.logits(table, x), x, targets, chunk, weights)
+    return (token_losses(model.logits(table, x), targets) * weights.astype(jnp.float32)).sum(-1)
+
+
+def reply_log_probs(model, rows: jax.Array):
+    """(the summed log-probability of each pair's chosen and rejected reply (batch, 2), the model's
+    auxiliary terms) of preference pairs, rows (batch, 2, 3, seq + 1) as data/pairs.py lays them out."""
+    b, _, _, length = rows.shape
+    tokens, learned = (rows[:, :, channel].reshape(2 * b, length) for channel in (pairs.TOKENS, pairs.TRAINED))
+    sums, aux = sequence_loss(model, tokens[:, :-1], tokens[:, 1:], None, learned[:, 1:], score=token_sums)
+    return -sums.reshape(b, 2), aux
 
 
 def scored(model, table, x: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -165,6 +201,7 @@ class LanguageTask(Task):
     data_sources = ("pydoc", "text", "tokens")
     loss_fn = staticmethod(next_token_loss)
     eval_fn = staticmethod(validation_loss)
+    preferences: preference.Preferences | None = None  # data.format=pairs
 
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
         t = cfg.train
@@ -175,7 +212,8 @@ class LanguageTask(Task):
                 f"context shard (mesh.context={mesh.shape['context']}); make it a multiple of "
                 f"{2 * mesh.shape['context']}."
             )
-        row = (3, t.seq_len + 1) if cfg.data.format == "chat" else (t.seq_len + 1,)  # chat: tokens, segments, trained
+        rows = {"chat": (3, t.seq_len + 1), "pairs": (2, 3, t.seq_len + 1)}  # their channels: data/chat.py, pairs.py
+        row = rows.get(cfg.data.format, (t.seq_len + 1,))
         self.train_batch = jax.ShapeDtypeStruct(
             (t.grad_accum, t.batch_size // t.grad_accum, *row), jnp.int32, sharding=batch_sharding(mesh, leading=1)
         )
@@ -184,8 +222,14 @@ class LanguageTask(Task):
             self.loss_fn, self.eval_fn = (
                 partial(fn, reset_positions=reset) for fn in (chat_loss, chat_validation_loss)
             )
+        elif cfg.data.format == "pairs":
+            self.positions = 2 * t.seq_len  # a pair trains two sequences, its chosen and its rejected reply
+            self.loss_fn, self.eval_fn = (
+                partial(fn, log_probs=reply_log_probs, beta=t.dpo_beta)
+                for fn in (preference.dpo_loss, preference.dpo_validation)
+            )
         if not data:  # shapes only: keeping documents apart costs the same whichever id ends one
-            if cfg.data.pack == "documents":
+            if cfg.data.pack == "documents" and cfg.data.format == "text":
                 self.loss_fn = partial(next_token_loss, eos_id=0, reset_positions=reset)
             return
         self.tokenizer = data_tokenizer(cfg.data)
@@ -197,6 +241,12 @@ class LanguageTask(Task):
             )
         if cfg.data.format == "chat":
             return self._read_chat(mesh)
+        if cfg.data.format == "pairs":
+            self.preferences = preference.Preferences(cfg, mesh, self.tokenizer, self.train_batch, reply_log_probs)
+            self.summary = f"{self.preferences.summary} ({self.tokenizer.spec})"
+            self.batches, self.eval_batches = self.preferences.batches, self.preferences.eval_batches
+            self.prompt = chat.Renderer.of(self.tokenizer)
+            return
         if cfg.data.pack == "documents":
             if self.tokenizer.eos_id is None:
                 raise ConfigError(
@@ -254,13 +304,18 @@ class LanguageTask(Task):
         )
         self.prompt = chat.Renderer.of(self.tokenizer)
 
+    def start(self, fns, params, run_dir, step: int) -> None:
+        """DPO: the reference's log-probabilities into the pairs' rows, and how it ranks them into the summary."""
+        if self.preferences is not None:
+            self.summary += "; " + self.preferences.start(fns, params, run_dir, step)
+
     def finish(self, fns, params) -> str | None:
         """A sample of text, run on every process: the params span them all. For chat, the reply
         to a greeting."""
         t = self.cfg.train
         if not t.sample_tokens:
             return None
-        if self.cfg.data.format == "chat":
+        if self.cfg.data.format in ("chat", "pairs"):
             prompt = self.prompt([{"role": "user", "content": "Hello! Who are you?"}], generation_prompt=True)
             return prompt + sample(fns, params, self.tokenizer, prompt, t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
         return "The " + sample(fns, params, self.tokenizer, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
