@@ -34,15 +34,24 @@ def check_paths(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need more than a type: ranges and relations between values."""
+    _check_ranges(cfg)
+    cfg.model.validate()
+    check_paths(cfg)
+    for check in (_check_train, _check_data, _check_attention, _check_experts, _check_pipeline, _check_logging):
+        check(cfg)
+
+
+def _check_ranges(cfg: Config) -> None:
     for name, valid, value in ranges(cfg):
         if value not in valid:
             raise ConfigError(
                 f"Config key `{name}` is {value!r}, outside its valid values: {valid}, finite. "
                 "Give a value in that range; docs/configuration.md lists each key's."
             )
-    cfg.model.validate()
-    check_paths(cfg)
-    t, data, attention = cfg.train, cfg.data, cfg.model.attention
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
     if getattr(t, "seq_len", 0) > cfg.model.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
@@ -53,6 +62,17 @@ def validate(cfg: Config) -> None:
             f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
             "each microbatch must have the same size."
         )
+    profile = t.profile_steps
+    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
+        raise ConfigError(
+            f"train.profile_steps={profile} is not [START, END] with 1 <= START <= END; e.g. "
+            "train.profile_steps=[10,12] traces steps 10 to 12."
+        )
+
+
+def _check_data(cfg: Config) -> None:
+    """Where the data is, in what form, for which objective."""
+    t, data = cfg.train, cfg.data
     # chat's conversations are asked for when training reads them: an imported run's config leaves them to set
     if data.source in DATA_FOLDERS and not data.path and data.format != "chat":
         raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
@@ -60,24 +80,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"data.path={data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens "
             "(shards from `podtrain data prepare`) or text (a local corpus)."
-        )
-    if attention == "splash" and getattr(t, "seq_len", 1) % SPLASH_BLOCK:
-        raise ConfigError(
-            f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
-            f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
-        )
-    packed_apart = (
-        "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
-    )
-    if packed_apart and attention == "cudnn":
-        raise ConfigError(
-            f"{packed_apart} keeps attention inside documents by their segment ids, which cuDNN's fused attention "
-            "does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
-        )
-    if data.reset_positions and not packed_apart:
-        raise ConfigError(
-            "data.reset_positions=true restarts positions at each packed document, and data.pack=concat packs none "
-            "apart; set data.pack=documents (or data.format=chat), or data.reset_positions=false."
         )
     if data.format in ("chat", "pairs") and data.source != "text":
         raise ConfigError(
@@ -92,27 +94,65 @@ def validate(cfg: Config) -> None:
             else "data.format=pairs holds preference pairs, which only train.objective=dpo learns from: set "
             "train.objective=dpo (or data.format=chat to fine-tune on conversations)."
         )
-    if cfg.mesh.context != 1 and attention == "cudnn":
+
+
+def _packed_apart(cfg: Config) -> str:
+    """The key that keeps packed documents apart by segment ids, or ''."""
+    data = cfg.data
+    return "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
+
+
+def attention_refusal(cfg: Config, kernel: str) -> str | None:
+    """Why `kernel` cannot compute cfg's attention (block multiples, segments, a split sequence,
+    windows, soft-caps), as the error that says so, or None: the checks and the `auto` choice both ask."""
+    seq, split = getattr(cfg.train, "seq_len", 1), max(cfg.mesh.context, 1)
+    if kernel == "splash":
+        if seq % SPLASH_BLOCK:
+            return (
+                f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
+                f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
+            )
+        if split > 1 and getattr(cfg.model, "context_attention", "") == "ring":
+            return (
+                "model.context_attention=ring passes keys round the context shards in XLA operations; the splash "
+                "kernel gathers them (all_gather). Use model.attention=xla (or auto) with ring, or all_gather with "
+                "splash."
+            )
+        if seq % (SPLASH_BLOCK * split):
+            return (
+                f"model.attention=splash with mesh.context={split} gives each shard whole blocks of {SPLASH_BLOCK} "
+                f"queries: make train.seq_len a multiple of {SPLASH_BLOCK * split}, or use model.attention=xla."
+            )
+    if kernel == "cudnn":
+        if packed_apart := _packed_apart(cfg):
+            return (
+                f"{packed_apart} keeps attention inside documents by their segment ids, which cuDNN's fused "
+                "attention does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
+            )
+        if split > 1:
+            return (
+                f"mesh.context={cfg.mesh.context} splits the sequence, which cuDNN's fused attention cannot attend "
+                "across; use model.attention=xla (or auto, which does on a GPU), or mesh.context=1."
+            )
+        if lacking := cudnn_lacks(cfg.model):
+            return (
+                f"{' and '.join(lacking)}: cuDNN's fused attention takes no sliding window or soft-cap; use "
+                "model.attention=xla (or auto)."
+            )
+    return None
+
+
+def _check_attention(cfg: Config) -> None:
+    if refusal := attention_refusal(cfg, cfg.model.attention):
+        raise ConfigError(refusal)
+    if cfg.data.reset_positions and not _packed_apart(cfg):
         raise ConfigError(
-            f"mesh.context={cfg.mesh.context} splits the sequence, which cuDNN's fused attention cannot attend "
-            "across; use model.attention=xla (or auto, which does on a GPU), or mesh.context=1."
+            "data.reset_positions=true restarts positions at each packed document, and data.pack=concat packs none "
+            "apart; set data.pack=documents (or data.format=chat), or data.reset_positions=false."
         )
-    split = max(cfg.mesh.context, 1)
-    if attention == "splash" and cfg.mesh.context != 1 and getattr(cfg.model, "context_attention", "") == "ring":
-        raise ConfigError(
-            "model.context_attention=ring passes keys round the context shards in XLA operations; the splash "
-            "kernel gathers them (all_gather). Use model.attention=xla (or auto) with ring, or all_gather with splash."
-        )
-    if attention == "splash" and split > 1 and getattr(t, "seq_len", 1) % (SPLASH_BLOCK * split):
-        raise ConfigError(
-            f"model.attention=splash with mesh.context={split} gives each shard whole blocks of {SPLASH_BLOCK} "
-            f"queries: make train.seq_len a multiple of {SPLASH_BLOCK * split}, or use model.attention=xla."
-        )
-    if attention == "cudnn" and (lacking := cudnn_lacks(cfg.model)):
-        raise ConfigError(
-            f"{' and '.join(lacking)}: cuDNN's fused attention takes no sliding window or soft-cap; use "
-            "model.attention=xla (or auto)."
-        )
+
+
+def _check_experts(cfg: Config) -> None:
     experts = getattr(cfg.model, "experts", 0)
     if cfg.mesh.expert > 1 and (not experts or experts % cfg.mesh.expert):
         having = f"model.experts={experts}" if experts else f"model.name={cfg.model.name}, which has no experts"
@@ -120,13 +160,9 @@ def validate(cfg: Config) -> None:
             f"mesh.expert={cfg.mesh.expert} splits an MoE layer's experts evenly over its devices, and {having}; "
             "give mesh.expert a divisor of the experts, or put those devices on mesh.data."
         )
-    _check_pipeline(cfg)
-    profile = t.profile_steps
-    if profile and not (len(profile) == 2 and 1 <= profile[0] <= profile[1]):
-        raise ConfigError(
-            f"train.profile_steps={profile} is not [START, END] with 1 <= START <= END; e.g. "
-            "train.profile_steps=[10,12] traces steps 10 to 12."
-        )
+
+
+def _check_logging(cfg: Config) -> None:
     if "wandb" in cfg.log.to and not _installed("wandb"):
         raise ConfigError(
             "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
@@ -190,14 +226,8 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
         # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
         head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
         cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
-        splash_ok = platform == "tpu" and getattr(cfg.train, "seq_len", 1) % SPLASH_BLOCK == 0  # whole blocks
-        split = max(cfg.mesh.context, 1)
-        splash_ok = splash_ok and getattr(cfg.train, "seq_len", 1) % (SPLASH_BLOCK * split) == 0
-        splash_ok = splash_ok and not (split > 1 and getattr(m, "context_attention", "") == "ring")
-        fused = "cudnn" if cudnn_ok and cfg.mesh.context == 1 else "splash" if splash_ok else "xla"
-        if fused == "cudnn" and (cudnn_lacks(m) or cfg.data.pack == "documents" or cfg.data.format == "chat"):
-            fused = "xla"  # what cuDNN's kernel cannot keep apart
-        m.attention = fused
+        fused = "cudnn" if cudnn_ok else "splash" if platform == "tpu" else "xla"
+        m.attention = "xla" if fused != "xla" and attention_refusal(cfg, fused) else fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     if getattr(m, "expert_kernel", None) == "auto":
