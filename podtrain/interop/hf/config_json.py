@@ -127,25 +127,7 @@ def model_keys(hf: dict, where: str) -> dict:
             f"{where}: config.json has {', '.join(unknown)}, which podtrain does not read for model_type "
             f"{family.model_type}; it may change what the model computes, so the checkpoint is refused."
         )
-    activation = (family.activation[1],)
-    accepted = {  # fields podtrain computes at these values only
-        family.activation[0]: activation,
-        "hidden_act": activation,
-        "attention_dropout": (0.0,),  # podtrain has no dropout
-        "resid_pdrop": (0.0,),
-        "embd_pdrop": (0.0,),
-        "mlp_bias": (False,),
-        "use_bidirectional_attention": (None, False),
-        "router_jitter_noise": (0.0, None),  # a training-time perturbation of the router podtrain does not make
-        "decoder_sparse_step": (1,),  # every layer an MoE layer
-        "mlp_only_layers": ([],),
-    }
-    for name, values in accepted.items():
-        if name in hf and hf[name] not in values:
-            raise ConfigError(
-                f"{where}: config.json has {name}={hf[name]!r}; podtrain computes {name}={values[0]!r} only, so this "
-                "checkpoint cannot be converted."
-            )
+    _refuse_other_values(hf, family, where)
     hf = {**family.defaults, **hf}
     d_model, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     read = {  # the free options, as config.json gives them
@@ -184,6 +166,29 @@ def model_keys(hf: dict, where: str) -> dict:
         **(_experts(hf) if family.experts else {}),
     }
     return keys
+
+
+def _refuse_other_values(hf: dict, family: HfFamily, where: str) -> None:
+    """A field podtrain computes at one value only, at another, is refused by name."""
+    activation = (family.activation[1],)
+    accepted = {  # fields podtrain computes at these values only
+        family.activation[0]: activation,
+        "hidden_act": activation,
+        "attention_dropout": (0.0,),  # podtrain has no dropout
+        "resid_pdrop": (0.0,),
+        "embd_pdrop": (0.0,),
+        "mlp_bias": (False,),
+        "use_bidirectional_attention": (None, False),
+        "router_jitter_noise": (0.0, None),  # a training-time perturbation of the router podtrain does not make
+        "decoder_sparse_step": (1,),  # every layer an MoE layer
+        "mlp_only_layers": ([],),
+    }
+    for name, values in accepted.items():
+        if name in hf and hf[name] not in values:
+            raise ConfigError(
+                f"{where}: config.json has {name}={hf[name]!r}; podtrain computes {name}={values[0]!r} only, so this "
+                "checkpoint cannot be converted."
+            )
 
 
 def _experts(hf: dict) -> dict:
@@ -238,24 +243,6 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
     and pad: an id, a list of eos ids, or None); the rotary settings in the rope_theta/rope_scaling
     form that transformers 4 and 5 both read."""
     family = export_family(model)
-    scaling = None
-    if model.rope_scaling == "llama3":
-        scaling = {
-            "rope_type": "llama3",
-            **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()},
-        }
-    elif model.rope_scaling == "linear":
-        scaling = {"rope_type": "linear", "factor": model.rope_factor}
-    elif model.rope_scaling == "yarn":
-        scaling = {
-            "rope_type": "yarn",
-            "factor": model.rope_factor,
-            "original_max_position_embeddings": model.rope_original_max_len,
-            "beta_fast": model.rope_beta_fast,
-            "beta_slow": model.rope_beta_slow,
-            "truncate": model.rope_truncate,
-            **({"attention_factor": model.rope_attention_factor} if model.rope_attention_factor else {}),
-        }
     config = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -268,7 +255,7 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
         "intermediate_size": model.d_ff,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_scaling": scaling,
+        "rope_scaling": _rope_scaling(model),
         "max_position_embeddings": model.max_seq_len,
         "tie_word_embeddings": model.tie_embeddings,
         "bos_token_id": token_ids.get("bos_token_id"),
@@ -277,6 +264,31 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
         "torch_dtype": dtype,
         family.activation[0]: family.activation[1],
     }
+    return config | _options_out(family, model) | _experts_out(family, model) | _windows_out(family, model)
+
+
+def _rope_scaling(model) -> dict | None:
+    """config.json's rope_scaling of podtrain's model.rope_scaling and its keys."""
+    if model.rope_scaling == "llama3":
+        return {"rope_type": "llama3", **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()}}
+    if model.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": model.rope_factor}
+    if model.rope_scaling == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": model.rope_factor,
+            "original_max_position_embeddings": model.rope_original_max_len,
+            "beta_fast": model.rope_beta_fast,
+            "beta_slow": model.rope_beta_slow,
+            "truncate": model.rope_truncate,
+            **({"attention_factor": model.rope_attention_factor} if model.rope_attention_factor else {}),
+        }
+    return None
+
+
+def _options_out(family: HfFamily, model) -> dict:
+    """The fields of the decoder's options that `family` writes."""
+    config = {}
     if "attention_bias" in family.fields:
         config["attention_bias"] = model.attention_bias == "all"
     if "mlp_bias" in family.fields:
@@ -291,31 +303,38 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
         config["rope_local_base_freq"] = model.rope_local_theta or model.rope_theta
     if "rotary_fraction" in family.free:
         config["partial_rotary_factor"] = model.rotary_fraction
-    if family.experts:
-        config |= {"num_experts_per_tok": model.experts_per_token, "router_aux_loss_coef": model.router_aux_loss_coef}
-        if "moe_intermediate_size" in family.fields:  # Qwen3-MoE: intermediate_size is a dense layer's
-            config |= {
-                "num_experts": model.experts,
-                "moe_intermediate_size": model.expert_width,
-                "norm_topk_prob": model.router_renormalize,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
-            }
-        else:  # Mixtral: intermediate_size is each expert's
-            config |= {"num_local_experts": model.experts, "intermediate_size": model.expert_width}
-    windows = model.layer_windows() or [0] * model.n_layers
-    types = ["sliding_attention" if w else "full_attention" for w in windows]
-    if family.windows == "all":
-        config["sliding_window"] = model.sliding_window or None
-    elif family.windows == "qwen":
-        config |= {
-            "use_sliding_window": model.sliding_window > 0,
-            "sliding_window": model.sliding_window or None,
-            "max_window_layers": model.n_layers,  # unread: layer_types says which layers slide
-            "layer_types": types,
+    return config
+
+
+def _experts_out(family: HfFamily, model) -> dict:
+    """An MoE family's expert fields."""
+    if not family.experts:
+        return {}
+    config = {"num_experts_per_tok": model.experts_per_token, "router_aux_loss_coef": model.router_aux_loss_coef}
+    if "moe_intermediate_size" in family.fields:  # Qwen3-MoE: intermediate_size is a dense layer's
+        return config | {
+            "num_experts": model.experts,
+            "moe_intermediate_size": model.expert_width,
+            "norm_topk_prob": model.router_renormalize,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
         }
-    elif family.windows == "pattern":
-        config |= {"sliding_window": model.sliding_window or None, "layer_types": types}
+    return config | {
+        "num_local_experts": model.experts,
+        "intermediate_size": model.expert_width,
+    }  # Mixtral: each expert's
+
+
+def _windows_out(family: HfFamily, model) -> dict:
+    """The sliding-window fields in the form `family` writes them (the reverse of `_windows`)."""
+    if family.windows == "none":
+        return {}
+    config = {"sliding_window": model.sliding_window or None}
+    if family.windows == "qwen":  # max_window_layers unread: layer_types says which layers slide
+        config |= {"use_sliding_window": model.sliding_window > 0, "max_window_layers": model.n_layers}
+    if family.windows in ("qwen", "pattern"):
+        windows = model.layer_windows() or [0] * model.n_layers
+        config["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
     return config
 
 
