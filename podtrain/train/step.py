@@ -26,19 +26,18 @@ def make_train_step(
 ):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
-    loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss (see
-    train/task.py) of the model built from the params; `carry` is this microbatch's slice of
-    state["carry"] (e.g. the ACT state of HRM/TRM; None without one) and `key` is fresh randomness
-    for every microbatch of every step. A step whose loss or gradient norm is not finite leaves the
-    state unchanged but for the step, and says so in its `skipped` metric. Microbatch gradients are
-    summed in a scan inside the step, so accumulation costs no extra dispatch and the accumulator
-    lives sharded like the params. A metric is a scalar, averaged over the microbatches, or a (sum,
-    count) pair, pooled over them. `after_step(params, metrics) -> (params, metrics)` (a family's,
-    e.g. an MoE's router bias update) runs on the updated params; the metrics it reads, which may
-    be arrays, it takes out.
+    loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss
+    (train/tasks) of the model built from the params (with LoRA's base); `carry` is this
+    microbatch's slice of state["carry"] (HRM/TRM's ACT state; None without one), `key` fresh
+    randomness for every microbatch of every step. A step whose loss or gradient norm is not finite
+    leaves the state unchanged but for the step (metric `skipped`). Microbatch gradients are summed
+    in a scan inside the step, the accumulator sharded like the params. A metric is a scalar,
+    averaged over the microbatches, or a (sum, count) pair, pooled. `after_step(params, metrics)
+    -> (params, metrics)` (an MoE's router bias update) runs on the updated params and takes out
+    the metrics it reads.
     """
     tx, lr, fns = setup.tx, optim.schedule(cfg_train), setup.fns
-    param_shardings = shardings_of(setup.abstract_state["params"])
+    param_shardings = shardings_of(setup.abstract_state["params"])  # of the accumulated gradients too
 
     def params_loss(params, base, carry, micro, key):
         model = fns.module(params if base is None else adapters.union(base, params))
@@ -59,8 +58,7 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt = tx.update(grads, state["opt"], params)
         updated = {"params": optax.apply_updates(params, updates), "opt": opt}  # LoRA's base stays as it was
-        if carry is not None:
-            updated["carry"] = carry
+        updated |= {} if carry is None else {"carry": carry}
         if "ema" in state:
             updated["ema"] = optax.incremental_update(updated["params"], state["ema"], step_size=1 - cfg_train.ema)
         metrics, grad_norm = {k: _pool(v) for k, v in metrics.items()}, optax.tree.norm(grads)
@@ -70,22 +68,12 @@ def make_train_step(
         # (the data position) moves on, so no NaN ever reaches the weights or a checkpoint.
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         kept = {k: jax.tree.map(lambda new, old: jnp.where(finite, new, old), v, state[k]) for k, v in updated.items()}
-        return {**state, **kept, "step": state["step"] + 1}, {
-            **metrics,
-            "grad_norm": grad_norm,
-            "lr": lr(state["step"]),
-            "skipped": ~finite,
-        }
+        metrics |= {"grad_norm": grad_norm, "lr": lr(state["step"]), "skipped": ~finite}
+        return {**state, **kept, "step": state["step"] + 1}, metrics
 
-    state_shardings = shardings_of(abstract_state)
-    return sharded_jit(
-        step,
-        mesh,
-        in_shardings=(state_shardings, batch_sharding(mesh, leading=1)),
-        out_shardings=(state_shardings, None),
-        donate_argnums=0,
-        pipeline=pipeline,
-    )
+    shardings, batches = shardings_of(abstract_state), batch_sharding(mesh, leading=1)
+    jit = {"in_shardings": (shardings, batches), "out_shardings": (shardings, None), "donate_argnums": 0}
+    return sharded_jit(step, mesh, pipeline, **jit)
 
 
 def _pool(metric) -> jax.Array:
