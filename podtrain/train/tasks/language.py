@@ -247,6 +247,11 @@ class LanguageTask(Task):
             self.batches, self.eval_batches = self.preferences.batches, self.preferences.eval_batches
             self.prompt = chat.Renderer.of(self.tokenizer)
             return
+        self._read_text(mesh)
+
+    def _read_text(self, mesh: Mesh) -> None:
+        """Windows of documents packed in order (kept apart by their EOS with data.pack=documents)."""
+        t, cfg = self.cfg.train, self.cfg
         if cfg.data.pack == "documents":
             if self.tokenizer.eos_id is None:
                 raise ConfigError(
@@ -254,7 +259,7 @@ class LanguageTask(Task):
                     f"{self.tokenizer.spec} does not have; use data.pack=concat or a tokenizer with one."
                 )
             self.loss_fn, self.eval_fn = (
-                partial(fn, eos_id=self.tokenizer.eos_id, reset_positions=reset)
+                partial(fn, eos_id=self.tokenizer.eos_id, reset_positions=cfg.data.reset_positions)
                 for fn in (next_token_loss, validation_loss)
             )
         train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
