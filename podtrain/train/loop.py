@@ -112,6 +112,27 @@ def _adapted(cfg: Config, job: Job) -> str:
     return f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.train.lora.rank} on {', '.join(cfg.train.lora.targets)})"
 
 
+def _announce(say, cfg: Config, job: Job, memory: fit.Memory, start: int) -> None:
+    """The run's first lines: the model and its data, the step's memory, what the devices changed."""
+    t, task = cfg.train, job.task
+    begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
+    say(
+        f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params{_adapted(cfg, job)}, "
+        f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
+    )
+    say(f"[podtrain] step memory: {memory.summary()}")
+    if job.grad_accum != t.grad_accum:
+        say(
+            f"[podtrain] train.grad_accum={job.grad_accum} on these devices (the config says {t.grad_accum}): "
+            f"the batch of {t.batch_size} in microbatches that split over them"
+            + (f", at most {t.device_batch} per device" if t.device_batch else "")
+        )
+    for line in job.replicated[:8]:
+        say(f"[podtrain] replicated, as the mesh does not divide it: {line}")
+    if note := optim.warmup_note(t):
+        say(f"[podtrain] note: {note}")
+
+
 def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goodput) -> dict:
     t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
@@ -122,22 +143,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
     if rt.is_main:
         run.keep(cfg, task.tokenizer)
     task.start(job.setup.fns, weights(state), run.dir, start)  # before its summary: DPO's reference goes in it
-    begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
-    console.print(
-        f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params{_adapted(cfg, job)}, "
-        f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
-    )
-    console.print(f"[podtrain] step memory: {memory.summary()}")
-    if job.grad_accum != t.grad_accum:
-        console.print(
-            f"[podtrain] train.grad_accum={job.grad_accum} on these devices (the config says {t.grad_accum}): "
-            f"the batch of {t.batch_size} in microbatches that split over them"
-            + (f", at most {t.device_batch} per device" if t.device_batch else "")
-        )
-    for line in job.replicated[:8]:
-        console.print(f"[podtrain] replicated, as the mesh does not divide it: {line}")
-    if note := optim.warmup_note(t):
-        console.print(f"[podtrain] note: {note}")
+    _announce(console.print, cfg, job, memory, start)
     if start >= t.steps:
         checkpointer.close()
         console.print(
