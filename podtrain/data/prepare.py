@@ -93,6 +93,16 @@ def _write_shard(
     return record
 
 
+def _check(tokenizer, val_fraction: float) -> None:
+    if tokenizer.eos_id is None:
+        raise DataError(
+            f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a "
+            "fitted BPE, a Hugging Face model's)."
+        )
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction} is outside [0, 1); give e.g. 0.01.")
+
+
 def prepare(
     corpus: Corpus,
     tokenizer,
@@ -103,13 +113,7 @@ def prepare(
 ) -> dict:
     """Tokenize `corpus` into shards in `out` (a local folder or a bucket's), continuing an
     interrupted prepare; returns the manifest."""
-    if tokenizer.eos_id is None:
-        raise DataError(
-            f"The tokenizer {tokenizer.spec} has no end-of-document token to join documents with; use one that has (a "
-            "fitted BPE, a Hugging Face model's)."
-        )
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction {val_fraction} is outside [0, 1); give e.g. 0.01.")
+    _check(tokenizer, val_fraction)
     out = storage.path(out)
     storage.makedirs(out)
     settings = _settings(corpus, tokenizer, val_fraction, shard_docs)
