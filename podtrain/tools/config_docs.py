@@ -175,7 +175,12 @@ def configuration_page() -> str:
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]) and f.name not in ("model", "train"):
             parts += [f"\n## {f.name}\n\n", _table(hints[f.name], f"{f.name}.")]
+    return "".join(parts + _train_section() + _model_section() + ["\n", NOTES])
 
+
+def _train_section() -> list[str]:
+    """The keys of every task, their sub-sections (train.lora), then each task's own."""
+    parts = []
     parts += ["\n## train\n\n### Keys of every task\n\n", _table(TrainConfig, "train.")]
     train_hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -195,6 +200,12 @@ def configuration_page() -> str:
                 _table(cls, "train.", skip=_field_names(TrainConfig)),
             ]
 
+    return parts
+
+
+def _model_section() -> list[str]:
+    """The keys of every model (with the defaults families change), then each family's own."""
+    parts = []
     shared = _field_names(ModelConfig)
     family_defaults = {}
     for f in dataclasses.fields(ModelConfig):
@@ -227,8 +238,7 @@ def configuration_page() -> str:
         text.append(_doc_line(family.config))
         text = " ".join(filter(None, text))
         parts += [f"\n### `{name}`\n\n", f"{text}\n\n" if text else "", _table(family.config, "model.", skip=skip)]
-    parts += ["\n", NOTES]
-    return "".join(parts)
+    return parts
 
 
 if __name__ == "__main__":
