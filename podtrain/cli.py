@@ -149,7 +149,19 @@ def parser() -> argparse.ArgumentParser:
         prog="podtrain", description="One config, any device: JAX training from a laptop CPU to a TPU pod."
     )
     sub = p.add_subparsers(dest="command", required=True)
+    _add_job_commands(sub)
+    add_data_commands(sub)
+    add_launch_command(sub, _launch)
+    add_generate_command(sub)
+    _add_convert_command(sub)
+    _add_plan_command(sub)
+    _add_run_commands(sub)
+    p.set_defaults(commands=tuple(sub.choices))
+    return p
 
+
+def _add_job_commands(sub) -> None:
+    """train, doctor and profile: a config and its overrides."""
     t = sub.add_parser(
         "train",
         help="train (or resume) a model",
@@ -179,20 +191,8 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--top", type=int, default=10, help="ops listed (default 10)")
     pr.set_defaults(func=_profile)
 
-    add_data_commands(sub)
 
-    add_launch_command(sub, _launch)
-
-    add_generate_command(sub)
-
-    ev = sub.add_parser("eval", help="test accuracy of HRM/TRM runs at each halt_max_steps, pooled over seeds")
-    ev.add_argument("runs", nargs="+", metavar="RUN", help="a run_dir; with --seeds, one containing {seed}")
-    ev.add_argument("--halt-max-steps", metavar="H,H,...", help="segments to run (default: the run's own)")
-    ev.add_argument("--seeds", metavar="S,S,...", help="one run per seed, {seed} in RUN replaced by it")
-    ev.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
-    ev.add_argument("--out", help="PNG of the pooled plot (default: FIRST_RUN_DIR/eval_recursion_pooled.png)")
-    ev.set_defaults(func=_eval)
-
+def _add_convert_command(sub) -> None:
     cv = sub.add_parser(
         "convert",
         help="import a Hugging Face checkpoint (Llama, Mistral, Qwen, Gemma, Phi-3) as a run directory, or export one",
@@ -216,6 +216,8 @@ def parser() -> argparse.ArgumentParser:
     )
     cv.set_defaults(func=_convert)
 
+
+def _add_plan_command(sub) -> None:
     pn = sub.add_parser(
         "plan",
         help=(
@@ -254,6 +256,17 @@ def parser() -> argparse.ArgumentParser:
     )
     pn.set_defaults(func=_plan)
 
+
+def _add_run_commands(sub) -> None:
+    """eval, checkpoints and plot: what runs left behind."""
+    ev = sub.add_parser("eval", help="test accuracy of HRM/TRM runs at each halt_max_steps, pooled over seeds")
+    ev.add_argument("runs", nargs="+", metavar="RUN", help="a run_dir; with --seeds, one containing {seed}")
+    ev.add_argument("--halt-max-steps", metavar="H,H,...", help="segments to run (default: the run's own)")
+    ev.add_argument("--seeds", metavar="S,S,...", help="one run per seed, {seed} in RUN replaced by it")
+    ev.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    ev.add_argument("--out", help="PNG of the pooled plot (default: FIRST_RUN_DIR/eval_recursion_pooled.png)")
+    ev.set_defaults(func=_eval)
+
     c = sub.add_parser(
         "checkpoints", help="list a run's checkpoints: step, time, size, digest, and whether each verifies"
     )
@@ -265,8 +278,6 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dirs", nargs="+")
     pl.add_argument("--out", help="PNG path (default: FIRST_RUN_DIR/curves.png)")
     pl.set_defaults(func=_plot)
-    p.set_defaults(commands=tuple(sub.choices))
-    return p
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
