@@ -67,6 +67,11 @@ def add_data_commands(sub) -> None:
     """The `data` subcommand and its kinds, on the CLI's subparsers."""
     da = sub.add_parser("data", help="build datasets")
     kinds = da.add_subparsers(dest="dataset", required=True)
+    for add in (_add_sudoku, _add_tokenizer, _add_prepare, _add_chat):
+        add(kinds)
+
+
+def _add_sudoku(kinds) -> None:
     su = kinds.add_parser(
         "sudoku", help="Sudoku train/test sets: generated offline, or Sudoku-Extreme from the HF hub or local CSVs"
     )
@@ -90,28 +95,31 @@ def add_data_commands(sub) -> None:
     su.add_argument("--seed", type=int, default=0)
     su.set_defaults(func=_sudoku)
 
-    def corpus_options(command, many: bool):
-        command.add_argument(
-            "--input",
-            required=True,
-            nargs="+" if many else 1,
-            help=(
-                "corpus: .txt/.md/.jsonl/.json/.parquet files or folders, a `datasets.save_to_disk` folder, or a hub "
-                "dataset name"
-            ),
-        )
-        command.add_argument(
-            "--text-field", default="text", help="the field (JSON) or column (Parquet, datasets) holding the text"
-        )
-        command.add_argument(
-            "--dataset-name",
-            help=(
-                "the config of a hub dataset (e.g. cosmopedia-v2); with a local folder, read it as a hub dataset's "
-                "layout"
-            ),
-        )
-        command.add_argument("--split", default="train", help="the split of a hub or saved dataset")
 
+def _corpus_options(command, many: bool) -> None:
+    """--input and where its text is."""
+    command.add_argument(
+        "--input",
+        required=True,
+        nargs="+" if many else 1,
+        help=(
+            "corpus: .txt/.md/.jsonl/.json/.parquet files or folders, a `datasets.save_to_disk` folder, or a hub "
+            "dataset name"
+        ),
+    )
+    command.add_argument(
+        "--text-field", default="text", help="the field (JSON) or column (Parquet, datasets) holding the text"
+    )
+    command.add_argument(
+        "--dataset-name",
+        help=(
+            "the config of a hub dataset (e.g. cosmopedia-v2); with a local folder, read it as a hub dataset's layout"
+        ),
+    )
+    command.add_argument("--split", default="train", help="the split of a hub or saved dataset")
+
+
+def _add_tokenizer(kinds) -> None:
     to = kinds.add_parser(
         "tokenizer",
         help="fit a byte-level BPE tokenizer on a local corpus",
@@ -120,7 +128,7 @@ def add_data_commands(sub) -> None:
             "transformers.AutoTokenizer load."
         ),
     )
-    corpus_options(to, many=True)
+    _corpus_options(to, many=True)
     to.add_argument(
         "--vocab-size",
         type=int,
@@ -136,6 +144,8 @@ def add_data_commands(sub) -> None:
     to.add_argument("--out", required=True, help="output folder")
     to.set_defaults(func=_tokenizer)
 
+
+def _add_prepare(kinds) -> None:
     pr = kinds.add_parser(
         "prepare",
         help="tokenize a corpus once into shards for data.source=tokens",
@@ -144,7 +154,7 @@ def add_data_commands(sub) -> None:
             "where it stopped when rerun."
         ),
     )
-    corpus_options(pr, many=False)
+    _corpus_options(pr, many=False)
     pr.add_argument(
         "--tokenizer",
         required=True,
@@ -163,6 +173,8 @@ def add_data_commands(sub) -> None:
     )
     pr.set_defaults(func=_prepare)
 
+
+def _add_chat(kinds) -> None:
     ch = kinds.add_parser(
         "chat",
         help="show which tokens of chat conversations data.format=chat trains",
