@@ -1,5 +1,6 @@
-"""Building blocks shared by the models. Parameters and activations name logical axes; no mesh
-appears here (`constrain` pins an activation by name, and the rules decide what that means).
+"""Building blocks shared by the models. Parameters and activations name logical axes; the mesh
+is reached only by name (`constrain` pins an activation, and the rules decide what that means)
+and by `stages()`, which turns a layer stack into a pipeline where the mesh has a `stage` axis.
 
 Precision policy: parameters are stored in float32 and cast to the compute dtype where used;
 norms, softmax statistics and logits are computed in float32.

@@ -1,4 +1,5 @@
-"""The Hugging Face model_types podtrain's decoder (`model.name=llama`) computes, each a record:
+"""The Hugging Face model_types podtrain's decoder computes (`model.name=llama`, or `moe` for the
+expert families), each a record:
 the config.json fields it reads, the decoder options it sets, its tensors' names, transformers'
 defaults for fields a file may leave out. `config_json.py` reads and writes config.json by these
 records. Facts per family: ../shared/MODELS.md and transformers' configuration_*.py.

@@ -1,5 +1,5 @@
-"""Fused attention kernels: Pallas's splash attention for TPU, and what cuDNN's kernel holds and
-moves, standing in for it in a GPU plan compiled on a CPU."""
+"""Pallas's splash attention for TPU, on each shard of the mesh (cuDNN's fused attention is
+jax.nn.dot_product_attention's, called by the attention layer itself)."""
 
 from __future__ import annotations
 
