@@ -12,8 +12,8 @@ device's peak is known, and the ratio podtrain / reference of each repeat (repea
 against repeat i of the other) as min, median and max. `key=value` overrides reach podtrain's
 config only (e.g. model.scan_unroll=4), for A/B runs.
 
-`--scaling` runs podtrain alone on eight fake CPU devices: the step time per token on meshes
-(8,1,1), (1,8,1) and (1,1,8) against one device (eight devices on the same cores: the cost of
+`--scaling` runs podtrain alone on eight fake CPU devices: the step time per token on meshes of
+all eight on one of sharding.PLAIN_AXES against one device (eight devices on the same cores: the cost of
 partitioning, not a speed-up), the compile time of the train step at 4 and 32 layers, scanned and
 unrolled, and the host's time per step while the device is idle (dispatching a step, placing a batch).
 """
@@ -46,6 +46,7 @@ from podtrain.planning import fit
 from podtrain.runtime.chips import device_memory, peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import AXES, PLAIN_AXES
 from podtrain.train import optim
 from podtrain.train.job import build
 
@@ -275,15 +276,16 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
     devices = select_devices("cpu")
     print(f"cpu: {len(devices)} fake devices on {os.cpu_count()} cores; preset {preset}")
     one = None
-    for shape in [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8)]:
-        mesh = [f"mesh.{axis}={size}" for axis, size in zip(("data", "fsdp", "tensor"), shape)]
+    one_device = dict.fromkeys(AXES, 1)
+    for shape in [one_device, *({**one_device, axis: 8} for axis in PLAIN_AXES)]:
+        mesh = [f"mesh.{axis}={size}" for axis, size in shape.items()]
         cfg = podtrain_config(preset, False, [*overrides, *mesh])
-        side = PodtrainSide(cfg, devices[: math.prod(shape)])
+        side = PodtrainSide(cfg, devices[: math.prod(shape.values())])
         side.steps(2)
         per_token = min(timed(side, steps) for _ in range(3)) / (cfg.train.batch_size * cfg.train.seq_len)
         one = one or per_token
         print(
-            f"mesh {'x'.join(map(str, shape))}: {per_token * 1e6:.1f} us/token, "
+            f"mesh {'x'.join(map(str, shape.values()))}: {per_token * 1e6:.1f} us/token, "
             f"{one / per_token:.2f}x one device's speed"
         )
     for unroll in ("1", "n_layers"):

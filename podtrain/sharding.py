@@ -23,6 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # The last varies fastest: tensor on the nearest devices.
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+# The axes every model takes as it is; stage, context and expert each need a model made for them
+# (a pipelined stack, attention over a split sequence, experts).
+PLAIN_AXES = tuple(a for a in AXES if a not in ("stage", "context", "expert"))
 
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
@@ -62,6 +65,11 @@ class Pipeline(NamedTuple):
 
     microbatches: int = 0
     repeats: int = 1
+
+
+def microbatches_over(stages: int, asked: int) -> int:
+    """The microbatches a pipeline of `stages` stages runs for `pipeline.microbatches=asked` (0: as many as stages)."""
+    return asked or stages
 
 
 GPIPE = Pipeline()  # as many microbatches as stages, one lap
@@ -177,7 +185,8 @@ def stages() -> tuple[int, Pipeline]:
     mesh = _TRACING_MESH.get()
     n = 1 if mesh is None else mesh.shape["stage"]
     pipeline = _PIPELINE.get()
-    return (n, pipeline._replace(microbatches=pipeline.microbatches or n)) if n > 1 else (1, Pipeline(1, 1))
+    resolved = pipeline._replace(microbatches=microbatches_over(n, pipeline.microbatches))
+    return (n, resolved) if n > 1 else (1, Pipeline(1, 1))
 
 
 @contextlib.contextmanager
@@ -260,7 +269,7 @@ def shards(name: str, size: int) -> int:
 
 
 def batch_sharding(mesh: Mesh, leading: int = 0) -> NamedSharding:
-    """Rows of a batch over the batch's axes (data, fsdp, expert); `leading` unsharded axes first (microbatches)."""
+    """Rows of a batch over the batch's axes (RULES["act_batch"]); `leading` unsharded axes first (microbatches)."""
     return NamedSharding(mesh, PartitionSpec(*(None,) * leading, RULES["act_batch"]))
 
 

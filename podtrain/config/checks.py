@@ -9,7 +9,9 @@ import importlib.util
 from podtrain import storage
 from podtrain.config.schema import Config, ranges
 from podtrain.errors import ConfigError, StorageError
+from podtrain.models import MODELS
 from podtrain.models.attention import SPLASH_BLOCK
+from podtrain.sharding import microbatches_over
 
 DATA_FOLDERS = {  # what data.path must name for each source that reads one
     "text": "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)",
@@ -182,19 +184,17 @@ def _installed(module: str) -> bool:
         return False
 
 
-PIPELINED = ("llama", "mhc")  # the families whose one stack of layers runs as a pipeline
-
-
 def _check_pipeline(cfg: Config) -> None:
     """Stages (x repeats) that cut the layers evenly, at least as many microbatches, each splitting evenly."""
     if cfg.mesh.stage == 1 and cfg.mesh.dcn_stage == 1:
         return
     stages = max(cfg.mesh.stage, 1) * max(cfg.mesh.dcn_stage, 1)  # a -1 is checked against the devices
     name, layers = cfg.model.name, getattr(cfg.model, "n_layers", 0)
-    if name not in PIPELINED or cfg.mesh.context != 1:
+    pipelined = [f.name for f in MODELS.values() if f.pipelined]
+    if name not in pipelined or cfg.mesh.context != 1:
         raise ConfigError(
             f"mesh.stage={cfg.mesh.stage} (dcn_stage={cfg.mesh.dcn_stage}) pipelines the layers of "
-            f"{' or '.join(PIPELINED)} models with mesh.context=1; this is model.name={name}, mesh.context="
+            f"{' or '.join(pipelined)} models with mesh.context=1; this is model.name={name}, mesh.context="
             f"{cfg.mesh.context}. Put those devices on mesh.data or mesh.fsdp."
         )
     repeats, circular = cfg.pipeline.repeats, cfg.pipeline.schedule == "circular"
@@ -208,7 +208,7 @@ def _check_pipeline(cfg: Config) -> None:
             f"model.n_layers={layers} does not cut evenly into {stages} pipeline stages (mesh.stage x "
             f"mesh.dcn_stage) x {repeats} pipeline.repeats; give sizes whose product divides the layers."
         )
-    micro, batch = cfg.pipeline.microbatches or stages, cfg.train.batch_size // cfg.train.grad_accum
+    micro, batch = microbatches_over(stages, cfg.pipeline.microbatches), cfg.train.batch_size // cfg.train.grad_accum
     if micro < stages or batch % micro:
         raise ConfigError(
             f"pipeline.microbatches={micro} must be at least the {stages} stages (else some stage idles every "

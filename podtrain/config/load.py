@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from podtrain import storage
 from podtrain.config.checks import validate
-from podtrain.config.schema import Config, all_keys, leaves
+from podtrain.config.schema import MESH_AXIS_ALIASES, Config, all_keys, leaves
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
@@ -44,9 +44,6 @@ _Yaml.yaml_implicit_resolvers = {
 _Yaml.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
-
-# The names the field gives the mesh axes, in configs and TPU_AXIS_NAMES.
-MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context", "ep": "expert"}
 
 
 def default_config(model: str = "llama") -> Config:

@@ -113,19 +113,24 @@ class ModelConfig:
             )
 
 
+# The field's other names of the mesh axes, accepted in configs and TPU_AXIS_NAMES (and listed in the docs).
+MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context", "ep": "expert"}
+
+
+# A size per axis of sharding.AXES (tests/test_registries.py), then slices of those that may span several.
 @dataclass
 class MeshConfig:
     data: int = key(-1, "devices that hold replicas and split the batch (-1: the rest)", "-1 or >= 1")
     fsdp: int = key(1, "devices that split the params, gradients and optimizer state (ZeRO-3)", "-1 or >= 1")
     context: int = key(
         1,
-        "devices that split each sequence (context parallelism; aliases cp, sequence); weights replicated",
+        "devices that split each sequence (context parallelism); weights replicated",
         "-1 or >= 1",
     )
     expert: int = key(
         1,
-        "devices that split an MoE layer's experts (expert parallelism; alias ep), the tokens exchanged between "
-        "them; elsewhere they split the batch, as data does",
+        "devices that split an MoE layer's experts (expert parallelism), the tokens exchanged between them; "
+        "elsewhere they split the batch, as data does",
         "-1 or >= 1",
     )
     tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")

@@ -22,6 +22,8 @@ class Family:
     # (model config, params, the step's metrics) -> (params, metrics): what the family updates after
     # each optimizer step other than by gradients (an MoE's router bias), taking the metrics it reads
     after_step: Callable[[Any, Any, dict], tuple[Any, dict]] | None = None
+    pipelined: bool = False  # its one stack of layers runs over mesh.stage as a pipeline
+    stacks: tuple[str, ...] = ("n_layers",)  # the model keys that are a scanned stack's length
 
     @property
     def train_config(self) -> type[TrainConfig]:

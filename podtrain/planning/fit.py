@@ -14,12 +14,14 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from podtrain.config.checks import validate
 from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
+from podtrain.models import family
 from podtrain.runtime.chips import GiB, device_memory
 from podtrain.runtime.mesh import build_mesh, slices, split_shape
 from podtrain.sharding import RULES
@@ -104,7 +106,7 @@ def measure(job: Job, available: float) -> tuple[Memory, object | None]:
 
 def unrolled(cfg: Config) -> Config:
     """cfg with every layer unrolled: scan_unroll the longest stack's length."""
-    layers = max(getattr(cfg.model, k, 1) for k in ("n_layers", "H_layers", "L_layers"))
+    layers = max(getattr(cfg.model, k) for k in family(cfg.model).stacks)
     return changed(cfg, {"model.scan_unroll": layers})
 
 
@@ -113,15 +115,21 @@ def roomy(memory: Memory) -> bool:
     return memory.total <= UNROLLED_SHARE * memory.available
 
 
-def choose_unroll(cfg: Config, mesh, available: float) -> Config:
-    """`model.scan_unroll=auto` on a GPU: every layer unrolled where that step, compiled, is
-    `roomy`, else scanned one layer at a time. Unrolled, XLA schedules across layers and fills and
-    slices no stack of saved activations: the 1B recipe ran 1.15x as fast on an H100, in 37.3 GiB
-    against 29.1."""
+def settle_unroll(cfg: Config, compile_unrolled: Callable[[Config], tuple[Memory, Any]]) -> tuple[Config, Any]:
+    """`model.scan_unroll=auto` on a GPU: every layer unrolled where that step, compiled by
+    `compile_unrolled` into (its memory, what else it gives), is `roomy`, else scanned one layer at
+    a time. Unrolled, XLA schedules across layers and fills and slices no stack of saved activations:
+    the 1B recipe ran 1.15x as fast on an H100, in 37.3 GiB against 29.1. Returns the config and, if
+    unrolled, what `compile_unrolled` gave."""
     if cfg.model.scan_unroll != "auto":
-        return cfg
-    memory, _ = measure(build(unrolled(cfg), mesh, data=False), available)
-    return unrolled(cfg) if roomy(memory) else changed(cfg, {"model.scan_unroll": 1})
+        return cfg, None
+    memory, compiled = compile_unrolled(unrolled(cfg))
+    return (unrolled(cfg), compiled) if roomy(memory) else (changed(cfg, {"model.scan_unroll": 1}), None)
+
+
+def choose_unroll(cfg: Config, mesh, available: float) -> Config:
+    """cfg with `scan_unroll=auto` settled for `mesh` of devices holding `available` bytes each."""
+    return settle_unroll(cfg, lambda unrolled_cfg: measure(build(unrolled_cfg, mesh, data=False), available))[0]
 
 
 def changed(cfg: Config, changes: dict) -> Config:

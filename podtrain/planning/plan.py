@@ -31,7 +31,7 @@ from podtrain.planning import cost, fit, hlo, network
 from podtrain.planning.targets import Target
 from podtrain.runtime.chips import GiB
 from podtrain.runtime.mesh import DCN_AXES, build_mesh, factorizations, resolve_shape, slices
-from podtrain.sharding import AXES
+from podtrain.sharding import AXES, PLAIN_AXES, microbatches_over
 from podtrain.train.job import build
 
 TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`
@@ -75,7 +75,7 @@ class Plan:
         """The share of a pipelined step its stages idle: (S - 1) / (R M + S - 1). In the one SPMD
         program idle stages compute on placeholders, so the compiled FLOPs already hold it."""
         stages, pipeline = self.mesh["stage"], self.cfg.pipeline
-        return (stages - 1) / (pipeline.repeats * (pipeline.microbatches or stages) + stages - 1)
+        return (stages - 1) / (pipeline.repeats * microbatches_over(stages, pipeline.microbatches) + stages - 1)
 
     @property
     def mfu(self) -> float | None:
@@ -105,12 +105,14 @@ def for_target(cfg: Config, target: Target) -> Config:
 def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     """Compile cfg's train step for the target and predict; with `remedy`, a job that does not fit
     also gets the smallest usual change that does."""
-    cfg = resolve_auto(cfg, target.platform)
-    if cfg.model.scan_unroll == "auto":  # a GPU's, as `fit.choose_unroll` takes it, from one compile
-        faster = plan(fit.unrolled(cfg), target, remedy=False)
-        if fit.roomy(faster.memory):
-            return faster
-        cfg = fit.changed(cfg, {"model.scan_unroll": 1})
+
+    def unrolled_plan(unrolled_cfg: Config) -> tuple[fit.Memory, Plan]:
+        p = plan(unrolled_cfg, target, remedy=False)
+        return p.memory, p
+
+    cfg, unrolled = fit.settle_unroll(resolve_auto(cfg, target.platform), unrolled_plan)  # a GPU's auto
+    if unrolled:
+        return unrolled
     n = len(target.devices)
     mesh = build_mesh(cfg.mesh, target.devices)
     job = build(cfg, mesh, data=False)
@@ -160,7 +162,7 @@ def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
     are tried only where the config uses them (other than 1); else they stay 1. Over several slices,
     each split of them between the dcn axes too."""
     rows, per_slice = [], len(target.devices) // target.slices
-    tried = [a for a in AXES if a not in ("stage", "context", "expert") or getattr(cfg.mesh, a) != 1]
+    tried = [a for a in AXES if a in PLAIN_AXES or getattr(cfg.mesh, a) != 1]
     meshes = [
         {f"mesh.{a}": 1 for a in AXES}
         | {f"mesh.{a}": s for a, s in zip(tried, sizes)}
@@ -242,7 +244,8 @@ def _hand_offs(p: Plan) -> str:
 def _schedule(p: Plan) -> str:
     pipeline = p.cfg.pipeline
     laps = f", circular, {pipeline.repeats} laps" if pipeline.repeats > 1 else ", gpipe"
-    return f"{p.mesh['stage']} stages, {pipeline.microbatches or p.mesh['stage']} microbatches{laps}"
+    micro = microbatches_over(p.mesh["stage"], pipeline.microbatches)
+    return f"{p.mesh['stage']} stages, {micro} microbatches{laps}"
 
 
 def _speed(p: Plan) -> str:

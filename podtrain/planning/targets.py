@@ -23,9 +23,6 @@ from podtrain.planning import gpus
 from podtrain.runtime.chips import CHIPS, Chip, GiB, host_memory
 
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
-CORES_PER_CHIP = {"v3": 2, "v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}  # the count in a slice's name is of cores
-MEGACORE = ("v4", "v5p")  # one JAX device per chip
-TWO_D = ("v3", "v5e", "v6e")  # 2D torus slices; v4 and v5p are 3D
 
 
 @dataclass
@@ -55,20 +52,21 @@ def _doubled(dims: list[int], times: int) -> list[int]:
 
 def _topology(generation: str, chips: int) -> list[int]:
     steps = int(math.log2(chips))
-    if generation in TWO_D:
+    if CHIPS[generation].tpu.torus == 2:
         return _doubled([1, 1], steps)
     return _doubled([2, 2, 1], steps - 2) if chips >= 4 else _doubled([1, 1, 1], steps)
 
 
 def tpu_target(name: str, generation: str, cores: int, slices: int = 1) -> Target:
-    chips = cores // CORES_PER_CHIP[generation]
+    slices_of = CHIPS[generation].tpu
+    chips = cores // slices_of.cores_per_chip
     if chips < 1 or chips & (chips - 1):
         raise ConfigError(
             f"--target {name}: a {generation} slice has a power-of-two number of chips; e.g. "
-            f"{generation}-{8 * CORES_PER_CHIP[generation]}."
+            f"{generation}-{8 * slices_of.cores_per_chip}."
         )
     dims = _topology(generation, chips)
-    options = {"chip_config_name": "megacore"} if generation in MEGACORE else {}
+    options = {"chip_config_name": "megacore"} if slices_of.megacore else {}
     if chips < 4:  # smaller than one host's 2x2 chips
         options["chips_per_host_bounds"] = (*dims, 1)[:3]
     # Compiling claims no TPU: let several plans (and a TPU job's own processes) load libtpu at once.
@@ -137,16 +135,18 @@ def target(name: str) -> Target:
     name = name.strip().lower()
     many = re.fullmatch(r"(\d+)x([a-z].*)", name)
     slices, one = (int(many.group(1)), many.group(2)) if many else (1, name)
-    tpu = re.fullmatch(r"(v3|v4|v5e|v5p|v6e|v5litepod|v5lite)-(\d+)", one)
+    tpus = [generation for generation, chip in CHIPS.items() if chip.tpu]
+    tpu = re.fullmatch(rf"({'|'.join([*tpus, *TPU_ALIASES])})-(\d+)", one)
     if tpu and slices >= 1:
         generation = TPU_ALIASES.get(tpu.group(1), tpu.group(1))
         return dataclasses.replace(tpu_target(one, generation, int(tpu.group(2)), slices), name=name)
-    gpu = re.fullmatch(r"(h100|h200|a100)(?:x(\d+))?", one)
+    gpu = re.fullmatch(rf"({'|'.join(gpus.CARDS)})(?:x(\d+))?", one)
     count = int(gpu.group(2) or 1) if gpu else cpu_count(name)
     if not count:
         raise ConfigError(
-            f"Unknown --target {name!r}. Use a TPU slice (v3-8, v4-32, v5e-8, v5p-8, v6e-8, ...), a GPU box "
-            "(h100, h100x8, a100x8, h200), N of either joined by the network (2xv5e-256, 2xh100x8), or cpu:N."
+            f"Unknown --target {name!r}. Use a TPU slice ({', '.join(f'{t}-8' for t in tpus)}, ...), a GPU box "
+            f"({', '.join(gpus.CARDS)}, or N of one: h100x8), N of either joined by the network (2xv5e-256, "
+            "2xh100x8), or cpu:N."
         )
     if gpu and slices >= 1:
         devices = gpus.devices(gpu.group(1), count, slices)

@@ -13,6 +13,15 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
+class TpuSlices:
+    """How a TPU generation's slices are named and shaped."""
+
+    cores_per_chip: int  # a slice's name counts cores: a v4-32 is 16 chips
+    megacore: bool  # one JAX device per chip (else one per core)
+    torus: int  # the dimensions of its slices' torus: 2 or 3
+
+
+@dataclass(frozen=True)
 class Chip:
     """One JAX device's resources: what a roofline needs."""
 
@@ -23,6 +32,7 @@ class Chip:
     hbm_bandwidth: float  # bytes/s
     link_bandwidth: float  # bytes/s one device moves in a ring collective (both directions of its ring)
     dcn_bandwidth: float | None = None  # bytes/s one device sends to other slices (or hosts) over the network
+    tpu: TpuSlices | None = None  # a TPU's slices
 
 
 # Sources: TPU: the Cloud TPU system-architecture pages (peak bf16 FLOP/s, HBM, bandwidth) and
@@ -37,11 +47,15 @@ class Chip:
 # network per chip (v5p 50 Gbps; v5e 2 x 100 and v6e 4 x 200 Gbps NICs per 8-chip host; v4 taken
 # as v5p's, a v3 core as a v5e chip) and one InfiniBand NIC per GPU (DGX H100: 400 Gb/s; A100: 200).
 CHIPS = {
-    "v3": Chip("TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10, 3.125e9),
-    "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10, 6.25e9),
-    "v5e": Chip("TPU v5e", r"tpu v5 ?(lite|e)", 15.75 * GiB, 197e12, 819e9, 2 * 4.5e10, 3.125e9),
-    "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10, 6.25e9),
-    "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10, 12.5e9),
+    "v3": Chip(
+        "TPU v3 (per core)", r"tpu v3", 15.48 * GiB, 61.5e12, 450e9, 2 * 4.5e10, 3.125e9, TpuSlices(2, False, 2)
+    ),
+    "v4": Chip("TPU v4", r"tpu v4", 30.75 * GiB, 275e12, 1.2e12, 2 * 4.5e10, 6.25e9, TpuSlices(2, True, 3)),
+    "v5e": Chip(
+        "TPU v5e", r"tpu v5 ?(lite|e)", 15.75 * GiB, 197e12, 819e9, 2 * 4.5e10, 3.125e9, TpuSlices(1, False, 2)
+    ),
+    "v5p": Chip("TPU v5p", r"tpu v5", 95.74 * GiB, 459e12, 2.765e12, 2 * 9e10, 6.25e9, TpuSlices(2, True, 3)),
+    "v6e": Chip("TPU v6e", r"tpu v6", 31.25 * GiB, 918e12, 1.64e12, 2 * 9e10, 12.5e9, TpuSlices(1, False, 2)),
     "h100": Chip("NVIDIA H100 SXM", r"h100|gh200", 85_017_493_504, 989e12, 3.35e12, 450e9, 50e9),
     "h200": Chip("NVIDIA H200", r"h200", 150_109_880_320, 989e12, 4.8e12, 450e9, 50e9),
     "a100": Chip("NVIDIA A100 SXM", r"a100", 85_198_045_184, 312e12, 2.039e12, 300e9, 25e9),

@@ -24,7 +24,7 @@ def factorizations(n: int, axes: int = 3) -> list[tuple[int, ...]]:
     return [(d, *rest) for d in range(n, 0, -1) if n % d == 0 for rest in factorizations(n // d, axes - 1)]
 
 
-DCN_AXES = ("data", "stage", "fsdp")  # the axes that may also span slices: mesh.dcn_data, ...
+DCN_AXES = tuple(a for a in AXES if hasattr(MeshConfig, f"dcn_{a}"))  # the axes that may also span slices
 
 
 def _resolve(sizes: dict[str, int], n: int, what: str, keys: str) -> dict[str, int]:

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from podtrain.config.schema import Config, ModelConfig, TrainConfig, default_of
+from podtrain.config.schema import MESH_AXIS_ALIASES, Config, ModelConfig, TrainConfig, default_of
 from podtrain.models import MODELS
 
 INTRO = """\
@@ -36,8 +36,8 @@ error naming the key and its values. Flags and `key=value` overrides may come in
 Each model family has its own config, defined beside the model and registered by name
 (`MODELS` in `podtrain/models/__init__.py`): `model.name` picks it, and a key that family does not
 have is an error with the closest key it does have (`model.n_layers` for HRM suggests
-`model.L_layers`). Language models (`llama`, `mhc`) train on text and have the `train.seq_len` and
-`train.sample_tokens` keys; puzzle models (`hrm`, `trm`) train on `data.source=sudoku` and take
+`model.L_layers`). Language models ({language}) train on text and have the `train.seq_len` and
+`train.sample_tokens` keys; puzzle models ({puzzles}) train on `data.source=sudoku` and take
 their length from the data.
 
 Flags from the usual setup guides are aliases: `--batch-size`, `--total-steps`, `--mesh-data`,
@@ -46,8 +46,8 @@ Flags from the usual setup guides are aliases: `--batch-size`, `--total-steps`, 
 `--worker-buffer-size` (`data.prefetch`), and `--use-small-model` (the tiny job's layer
 dimensions `d_model`, `n_layers`, `n_heads`, `n_kv_heads`, `d_ff`, those the family has; the
 recipe's vocabulary, sequence length and precision stay). The environment pair
-`TPU_MESH_CONFIG="4,4,2"` with `TPU_AXIS_NAMES="data,model,fsdp"` sets the mesh (`model` and `tp`
-are aliases of `tensor`).
+`TPU_MESH_CONFIG="4,4,2"` with `TPU_AXIS_NAMES="data,model,fsdp"` sets the mesh (aliases:
+{aliases}).
 
 In the tables, "-" is no default (the key is unset) or no constraint beyond the type.
 """
@@ -168,9 +168,25 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+def _families_reading(source: str) -> str:
+    """The families whose task trains on `data.source=source`, as `a`, `b`."""
+    return ", ".join(f"`{name}`" for name, family in MODELS.items() if source in family.task.data_sources)
+
+
+def _axis_aliases() -> str:
+    """'`model` and `tp` for `tensor`, ...': MESH_AXIS_ALIASES by axis."""
+    by_axis: dict[str, list[str]] = {}
+    for alias, axis in MESH_AXIS_ALIASES.items():
+        by_axis.setdefault(axis, []).append(f"`{alias}`")
+    return ", ".join(f"{' and '.join(aliases)} for `{axis}`" for axis, aliases in by_axis.items())
+
+
 def configuration_page() -> str:
     """The whole of docs/configuration.md."""
-    parts = [INTRO, "\n## Top-level keys\n\n", _table(Config, "")]
+    intro = INTRO.format(
+        language=_families_reading("text"), puzzles=_families_reading("sudoku"), aliases=_axis_aliases()
+    )
+    parts = [intro, "\n## Top-level keys\n\n", _table(Config, "")]
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]) and f.name not in ("model", "train"):

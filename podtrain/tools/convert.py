@@ -117,10 +117,11 @@ def export_hf(run_dir: str, out_dir: str, dtype: str | None = None, adapter: boo
     dtype = dtype or export_dtype(run_dir)
     run = Run.at(run_dir)
     cfg, _, params = run.language_model()
-    if cfg.model.name not in ("llama", "moe"):
+    exported = dict.fromkeys(f.model_name for f in FAMILIES.values())
+    if cfg.model.name not in exported:
         raise ConfigError(
-            f"{run_dir} trained model.name={cfg.model.name}; only llama and moe have Hugging Face architectures "
-            f"(model_type {', '.join(FAMILIES)}) to export to."
+            f"{run_dir} trained model.name={cfg.model.name}; only {' and '.join(exported)} have Hugging Face "
+            f"architectures (model_type {', '.join(FAMILIES)}) to export to."
         )
     family = export_family(cfg.model)
     if dtype not in ("float32", "bfloat16", "float16"):

@@ -13,11 +13,23 @@ import math
 from podtrain.errors import ConfigError
 from podtrain.interop.hf.families import DECODER_DEFAULTS, FAMILIES, INERT, SHARED, HfFamily, family_of, text_config
 
-ROPE_SCALING_KEYS = {
-    "rope_factor": "factor",
-    "rope_low_freq_factor": "low_freq_factor",
-    "rope_high_freq_factor": "high_freq_factor",
-    "rope_original_max_len": "original_max_position_embeddings",
+# Each model.rope_scaling but none: its model.rope_* keys -> the config.json rope_scaling fields holding them.
+ROPE_SCALINGS = {
+    "llama3": {
+        "rope_factor": "factor",
+        "rope_low_freq_factor": "low_freq_factor",
+        "rope_high_freq_factor": "high_freq_factor",
+        "rope_original_max_len": "original_max_position_embeddings",
+    },
+    "linear": {"rope_factor": "factor"},
+    "yarn": {  # read by _yarn, which knows transformers' defaults
+        "rope_factor": "factor",
+        "rope_original_max_len": "original_max_position_embeddings",
+        "rope_beta_fast": "beta_fast",
+        "rope_beta_slow": "beta_slow",
+        "rope_truncate": "truncate",
+        "rope_attention_factor": "attention_factor",
+    },
 }
 
 # Model keys that decide the params' shapes or what they compute: a checkpoint loads only into equal ones.
@@ -78,16 +90,14 @@ def _rope(hf: dict, where: str) -> dict:
         keys["rope_local_theta"] = float(hf["rope_local_base_freq"])
     kind = params.get("rope_type", params.get("type", "default"))
     keys |= {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), "rope_scaling": "none"}
-    if kind == "llama3":
-        keys |= {"rope_scaling": kind, **{ours: params[theirs] for ours, theirs in ROPE_SCALING_KEYS.items()}}
-    elif kind == "linear":
-        keys |= {"rope_scaling": kind, "rope_factor": float(params["factor"])}
-    elif kind == "yarn":
+    if kind == "yarn":
         keys |= {"rope_scaling": kind, **_yarn(hf, params)}
+    elif kind in ROPE_SCALINGS:
+        keys |= {"rope_scaling": kind, **{ours: params[theirs] for ours, theirs in ROPE_SCALINGS[kind].items()}}
     elif kind != "default":
         raise ConfigError(
             f"{where}: config.json asks for rope scaling `{kind}`; podtrain computes the default rotary "
-            "embedding, Llama 3's (`llama3`), `yarn` and `linear`."
+            f"embedding and {', '.join(f'`{k}`' for k in ROPE_SCALINGS)}."
         )
     return keys
 
@@ -146,7 +156,7 @@ def model_keys(hf: dict, where: str) -> dict:
                 f"{family.model_type} does not compute; refused."
             )
     keys = {
-        "name": "llama",
+        "name": family.model_name,
         "hf_type": family.model_type,
         "vocab_size": hf["vocab_size"],
         "d_model": d_model,
@@ -192,10 +202,9 @@ def _refuse_other_values(hf: dict, family: HfFamily, where: str) -> None:
 
 
 def _experts(hf: dict) -> dict:
-    """model.name=moe and its keys, from an MoE family's config.json (transformers 5 writes
-    num_local_experts for Qwen3-MoE too, where the Hub's files say num_experts)."""
+    """An MoE's keys, from an MoE family's config.json (transformers 5 writes num_local_experts for
+    Qwen3-MoE too, where the Hub's files say num_experts)."""
     return {
-        "name": "moe",
         "experts": hf.get("num_local_experts") or hf["num_experts"],
         "experts_per_token": hf["num_experts_per_tok"],
         "expert_d_ff": hf.get("moe_intermediate_size") or hf["intermediate_size"],
@@ -217,7 +226,7 @@ def _misfits(family: HfFamily, model) -> list[str]:
         found.append("a sliding window")
     if model.sliding_window and family.windows == "all" and model.full_attention_layers:
         found.append("sliding windows on some layers only")
-    if family.experts != (model.name == "moe"):
+    if family.model_name != model.name:
         found.append(f"model.name={model.name}")
     elif family.experts:
         found += [f"model.{k}={getattr(model, k)}" for k, v in ROUTING_DEFAULTS.items() if getattr(model, k) != v]
@@ -269,21 +278,12 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
 
 def _rope_scaling(model) -> dict | None:
     """config.json's rope_scaling of podtrain's model.rope_scaling and its keys."""
-    if model.rope_scaling == "llama3":
-        return {"rope_type": "llama3", **{theirs: getattr(model, ours) for ours, theirs in ROPE_SCALING_KEYS.items()}}
-    if model.rope_scaling == "linear":
-        return {"rope_type": "linear", "factor": model.rope_factor}
-    if model.rope_scaling == "yarn":
-        return {
-            "rope_type": "yarn",
-            "factor": model.rope_factor,
-            "original_max_position_embeddings": model.rope_original_max_len,
-            "beta_fast": model.rope_beta_fast,
-            "beta_slow": model.rope_beta_slow,
-            "truncate": model.rope_truncate,
-            **({"attention_factor": model.rope_attention_factor} if model.rope_attention_factor else {}),
-        }
-    return None
+    if model.rope_scaling == "none":
+        return None
+    fields = {theirs: getattr(model, ours) for ours, theirs in ROPE_SCALINGS[model.rope_scaling].items()}
+    if fields.get("attention_factor") == 0:  # YaRN's default: a file says so by leaving it out
+        del fields["attention_factor"]
+    return {"rope_type": model.rope_scaling, **fields}
 
 
 def _options_out(family: HfFamily, model) -> dict:

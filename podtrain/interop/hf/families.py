@@ -129,6 +129,12 @@ class HfFamily:
     activation: tuple[str, str] = ("hidden_act", "silu")  # the field naming the MLP's activation, its value
     tensors: dict = field(default_factory=lambda: LLAMA_TENSORS)
     experts: bool = False  # a mixture of experts (model.name=moe): config_json.EXPERT_FIELDS say how many
+    known_as: str = ""  # the checkpoints' names on the Hub
+
+    @property
+    def model_name(self) -> str:
+        """The podtrain family (`model.name`) that computes it."""
+        return "moe" if self.experts else "llama"
 
 
 BIAS = {"attention_bias": ("none", "all")}  # transformers' attention_bias: on q, k, v and the output
@@ -153,11 +159,29 @@ GELU = ("hidden_activation", "gelu_pytorch_tanh")
 FAMILIES = {
     f.model_type: f
     for f in (
-        HfFamily("llama", "LlamaForCausalLM", frozenset({"attention_bias", "mlp_bias"}), {}, BIAS, "none", {}),
         HfFamily(
-            "mistral", "MistralForCausalLM", frozenset({"sliding_window"}), {}, {}, "all", {"sliding_window": 4096}
+            "llama",
+            "LlamaForCausalLM",
+            frozenset({"attention_bias", "mlp_bias"}),
+            {},
+            BIAS,
+            "none",
+            {},
+            known_as="Llama, SmolLM, TinyLlama",
         ),
-        HfFamily("qwen2", "Qwen2ForCausalLM", QWEN_WINDOWS, {"attention_bias": "qkv"}, {}, "qwen", {}),
+        HfFamily(
+            "mistral",
+            "MistralForCausalLM",
+            frozenset({"sliding_window"}),
+            {},
+            {},
+            "all",
+            {"sliding_window": 4096},
+            known_as="Mistral",
+        ),
+        HfFamily(
+            "qwen2", "Qwen2ForCausalLM", QWEN_WINDOWS, {"attention_bias": "qkv"}, {}, "qwen", {}, known_as="Qwen2/2.5"
+        ),
         HfFamily(
             "qwen3",
             "Qwen3ForCausalLM",
@@ -166,6 +190,7 @@ FAMILIES = {
             BIAS,
             "qwen",
             {"head_dim": 128},
+            known_as="Qwen3",
         ),
         HfFamily(
             "gemma2",
@@ -182,6 +207,7 @@ FAMILIES = {
             },
             GELU,
             GEMMA_TENSORS,
+            known_as="Gemma 2",
         ),
         HfFamily(
             "gemma3_text",
@@ -198,6 +224,7 @@ FAMILIES = {
             },
             GELU,
             GEMMA_TENSORS,
+            known_as="Gemma 3",
         ),
         HfFamily(
             "mixtral",
@@ -210,6 +237,7 @@ FAMILIES = {
             {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
             tensors=MIXTRAL_TENSORS,
             experts=True,
+            known_as="Mixtral",
         ),
         HfFamily(
             "qwen3_moe",
@@ -230,6 +258,7 @@ FAMILIES = {
             },
             tensors=QWEN3_MOE_TENSORS,
             experts=True,
+            known_as="Qwen3-MoE",
         ),
         HfFamily(
             "phi3",
@@ -242,6 +271,7 @@ FAMILIES = {
             "all",
             {},
             tensors=PHI3_TENSORS,
+            known_as="Phi-3",
         ),
     )
 }
@@ -293,9 +323,8 @@ def family_of(hf: dict, where: str) -> HfFamily:
     if kind not in FAMILIES:
         kind = kind or (hf.get("architectures") or ["an unknown architecture"])[0]
         raise ConfigError(
-            f"{where} holds a `{kind}` model; podtrain converts model_type {', '.join(FAMILIES)} (Llama, SmolLM, "
-            "TinyLlama, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE, Phi-3) and the language "
-            "model of a multimodal "
+            f"{where} holds a `{kind}` model; podtrain converts model_type {', '.join(FAMILIES)} "
+            f"({', '.join(f.known_as for f in FAMILIES.values())}) and the language model of a multimodal "
             f"{', '.join(MULTIMODAL)}."
         )
     return FAMILIES[kind]

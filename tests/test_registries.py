@@ -1,0 +1,111 @@
+"""Each kind of name (model families, Hugging Face model types, mesh axes) is listed once, in its
+registry; the config docs, the errors and the plans take it from there. Adding a name to a registry
+shows up in every place derived from it, and the few lists the layering keeps by hand (a model
+config's `hf_type` choices, the mesh config's keys) must equal their registry's."""
+
+import dataclasses
+import typing
+
+import pytest
+from podtrain.config import checks
+from podtrain.config.load import default_config, mesh_from_env
+from podtrain.config.schema import MESH_AXIS_ALIASES, MeshConfig
+from podtrain.errors import ConfigError
+from podtrain.interop.hf import families as hf_families
+from podtrain.interop.hf.config_json import ROPE_SCALINGS
+from podtrain.interop.hf.families import FAMILIES, family_of
+from podtrain.models import MODELS, llama
+from podtrain.models.llama_config import LlamaConfig
+from podtrain.models.moe import MoeConfig
+from podtrain.planning import fit, gpus, targets
+from podtrain.planning.plan import sweep_table
+from podtrain.runtime.chips import CHIPS
+from podtrain.runtime.mesh import DCN_AXES
+from podtrain.sharding import AXES, PLAIN_AXES
+from podtrain.tools import config_docs
+
+
+@pytest.fixture
+def gpt2(monkeypatch):
+    """MODELS with one more language family, pipelined, whose stack is `n_blocks` long."""
+    family = dataclasses.replace(llama.FAMILY, name="gpt2", pipelined=True, stacks=("n_blocks",))
+    monkeypatch.setitem(MODELS, "gpt2", family)
+    return family
+
+
+def test_a_new_family_reaches_the_docs_the_pipeline_check_and_the_unroll(gpt2):
+    assert "`gpt2`" in config_docs._families_reading("text")
+    assert "`gpt2`" not in config_docs._families_reading("sudoku")
+    cfg = default_config("moe")
+    cfg.mesh.stage = 2
+    with pytest.raises(ConfigError, match="llama or mhc or gpt2 models"):
+        checks._check_pipeline(cfg)
+
+
+def test_unrolling_takes_the_familys_longest_stack(monkeypatch):
+    monkeypatch.setitem(MODELS, "llama", dataclasses.replace(llama.FAMILY, stacks=("n_layers", "n_heads")))
+    cfg = fit.changed(default_config(), {"model.n_layers": 2, "model.n_heads": 8, "model.n_kv_heads": 8})
+    assert fit.unrolled(cfg).model.scan_unroll == 8
+
+
+def test_the_docs_name_every_family_by_its_task():
+    page = config_docs.configuration_page()
+    for name, family in MODELS.items():
+        assert f"`{name}`" in page.split("## Top-level keys")[0], name
+        assert family.task.data_sources
+
+
+def test_hf_types_are_the_families_table(monkeypatch):
+    """The model configs' `hf_type` choices (below interop, so listed there by hand) are the
+    table's model types of the podtrain family that computes them."""
+    for config in (LlamaConfig, MoeConfig):
+        choices = typing.get_args(typing.get_type_hints(config)["hf_type"])
+        name = config.__dataclass_fields__["name"].default
+        assert choices == tuple(t for t, f in FAMILIES.items() if f.model_name == name)
+    assert {f.model_name for f in FAMILIES.values()} <= set(MODELS)
+    extra = dataclasses.replace(FAMILIES["llama"], model_type="falcon", known_as="Falcon")
+    monkeypatch.setitem(hf_families.FAMILIES, "falcon", extra)
+    with pytest.raises(ConfigError, match="model_type llama, .*falcon \\(Llama, .*Phi-3, Falcon\\)"):
+        family_of({"model_type": "gpt_neox"}, "here")
+
+
+def test_mesh_keys_are_the_axes_then_their_slices():
+    keys = {f.name for f in dataclasses.fields(MeshConfig)}
+    assert keys == {*AXES, *(f"dcn_{a}" for a in DCN_AXES)}
+    assert set(MESH_AXIS_ALIASES.values()) <= set(AXES) and set(PLAIN_AXES) <= set(AXES)
+
+
+def test_an_alias_reaches_the_environment_and_the_docs(monkeypatch):
+    monkeypatch.setitem(MESH_AXIS_ALIASES, "pp", "stage")
+    assert mesh_from_env({"TPU_MESH_CONFIG": "2,4", "TPU_AXIS_NAMES": "pp,data"}) == ["mesh.stage=2", "mesh.data=4"]
+    assert "`pp` for `stage`" in config_docs._axis_aliases()
+    with pytest.raises(ConfigError, match="pp for stage"):
+        mesh_from_env({"TPU_MESH_CONFIG": "2", "TPU_AXIS_NAMES": "dp"})
+
+
+def test_the_sweep_table_has_a_column_per_axis():
+    mesh = {f"mesh.{a}": 1 for a in AXES} | {f"mesh.dcn_{a}": 2 for a in DCN_AXES}
+    header = sweep_table([({**mesh, "model.remat": "none"}, "cannot. no")]).splitlines()[0].split()
+    assert header[: len(AXES) + len(DCN_AXES)] == [*AXES, *(f"dcn_{a}" for a in DCN_AXES)]
+
+
+def test_rope_scalings_read_and_written_are_the_configs_choices():
+    choices = typing.get_args(typing.get_type_hints(LlamaConfig)["rope_scaling"])
+    assert choices == ("none", *ROPE_SCALINGS)
+    for kind, keys in ROPE_SCALINGS.items():
+        assert set(keys) <= set(LlamaConfig.__dataclass_fields__), kind
+
+
+def test_targets_are_the_chips_table(monkeypatch):
+    """Each GPU chip has a card to compile for; a TPU generation added to CHIPS is a target at once."""
+    assert set(gpus.CARDS) == {name for name, chip in CHIPS.items() if not chip.tpu}
+    monkeypatch.setitem(CHIPS, "v7", dataclasses.replace(CHIPS["v6e"], name="TPU v7"))
+    # libtpu stood in for: the devices of `cores` cores
+    described = lambda name, generation, cores, slices: targets.Target(  # noqa: E731
+        name, "tpu", CHIPS[generation], list(range(cores)), slices
+    )
+    monkeypatch.setattr(targets, "tpu_target", described)
+    with pytest.raises(ConfigError, match="v6e-8, v7-8, .*h100, h200, a100"):
+        targets.target("v9-8")
+    found = targets.target("2xv7-16")
+    assert (found.chip.name, len(found.devices), found.slices) == ("TPU v7", 16, 2)
