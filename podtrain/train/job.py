@@ -115,7 +115,7 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions
-    trained = sum(s.size for s in jax.tree.leaves(abstract_state["params"]))
+    trained = setup.n_trained
     if "base" in abstract_state:  # LoRA: the base's weights get no gradient, the adapters' do
         per_token = record.flops_per_token(cfg.model, fns.n_params - trained, task.positions, per_weight=4)
         per_token += 6 * trained

@@ -108,8 +108,8 @@ def _adapted(cfg: Config, job: Job) -> str:
     """What LoRA trains of the model, for the first line of a run."""
     if not cfg.train.lora.rank:
         return ""
-    trained = sum(s.size for s in jax.tree.leaves(job.abstract_state["params"]))
-    return f" ({trained / 1e6:.3f}M trained: LoRA rank {cfg.train.lora.rank} on {', '.join(cfg.train.lora.targets)})"
+    lora = cfg.train.lora
+    return f" ({job.setup.n_trained / 1e6:.3f}M trained: LoRA rank {lora.rank} on {', '.join(lora.targets)})"
 
 
 def _announce(say, cfg: Config, job: Job, memory: fit.Memory, start: int) -> None:

@@ -99,6 +99,11 @@ class TrainSetup:
     init_trained: Callable[[jax.Array], Any]  # key -> the trained params (all, or LoRA's adapters), sharded
 
     @property
+    def n_trained(self) -> int:
+        """Parameters the optimizer trains: all, or LoRA's adapters."""
+        return sum(s.size for s in jax.tree.leaves(self.abstract_state["params"]))
+
+    @property
     def abstract_start(self):
         """What a run's starting weights (train.init_from) are read onto: LoRA's base, else all params."""
         return self.abstract_state.get("base", self.fns.abstract_params)
