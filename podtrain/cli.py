@@ -96,7 +96,7 @@ def _plan(args) -> int:
     # A plan compiles for a TPU or GPU that is not here (or this machine's CPU): it starts no accelerator.
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", hardware.cpu_count(args.target.strip().lower()) or 1)
-    from podtrain.planning import plan
+    from podtrain.planning import plan, report
     from podtrain.runtime import use_compile_cache
 
     cfg, target = _config(args), hardware.target(args.target)
@@ -104,10 +104,10 @@ def _plan(args) -> int:
         use_compile_cache(cfg.compile_cache)  # a plan run twice, or a remedy's compile, is read back
     if args.sweep:
         print(target.label)
-        print(plan.sweep_table(plan.sweep(cfg, target)))
+        print(report.sweep_table(plan.sweep(cfg, target)))
         return 0
     result = plan.plan(cfg, target)
-    print(json.dumps(plan.as_json(result, args.top), indent=2) if args.json else plan.report(result, args.top))
+    print(json.dumps(report.as_json(result, args.top), indent=2) if args.json else report.report(result, args.top))
     return 0 if result.fits else 3
 
 

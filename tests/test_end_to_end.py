@@ -4,6 +4,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 from podtrain.cli import main
 from podtrain.config.load import load_config
 from podtrain.config.schema import MeshConfig
@@ -67,15 +68,18 @@ def test_train_resume_generate_plot(tmp_path, small_overrides, capsys):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resume_continues_exactly(tmp_path, small_overrides):
+@pytest.mark.parametrize("precision", ["compute", "fp8"])
+def test_resume_continues_exactly(tmp_path, small_overrides, precision):
     """A run stopped after its step-3 checkpoint and resumed logs the losses of an uninterrupted run,
-    and its metrics.jsonl, which already held steps 4-6 from before the stop, has each step once."""
+    and its metrics.jsonl, which already held steps 4-6 from before the stop, has each step once.
+    fp8's scales are computed from the tensors of each step: nothing of them is lost by stopping."""
 
     def train(run):
         main(
             [
                 "train",
                 *small_overrides,
+                f"model.matmul_precision={precision}",
                 f"run_dir={run}",
                 "train.log_every=1",
                 "checkpoint.every=3",

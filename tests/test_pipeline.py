@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
-from podtrain.planning import cost, hlo, plan
+from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -85,7 +85,7 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
     cfg = load_config(None, [*LLAMA8, "mesh.stage=4", "mesh.data=1", *CIRCULAR])
     p = plan.plan(cfg, hardware.target("cpu:4"))
     assert p.bubble == 3 / 11  # (S - 1) / (R M + S - 1), against GPipe's 3 / 7
-    assert "4 stages, 4 microbatches, circular, 2 laps: bubble 27.3% of the step" in plan.report(p)
+    assert "4 stages, 4 microbatches, circular, 2 laps: bubble 27.3% of the step" in report.report(p)
 
 
 @pytest.mark.parametrize(

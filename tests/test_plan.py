@@ -13,7 +13,7 @@ import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import DoesNotFit
 from podtrain.models.attention import causal_blocks
-from podtrain.planning import fit, plan
+from podtrain.planning import fit, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh, factorizations
@@ -114,8 +114,8 @@ def test_a_job_that_does_not_fit_gets_the_smallest_change():
     target.chip = chips.Chip("tight", "cpu", (needed + big.memory.total) / 2, 1e12, 1e11, 1e10)
     p = plan.plan(cfg, target)
     assert not p.fits and p.remedy is not None and p.remedy_plan.fits
-    assert "smallest change that fits" in plan.report(p)
-    assert plan.as_json(p)["remedy"] == fit.describe(p.remedy)
+    assert "smallest change that fits" in report.report(p)
+    assert report.as_json(p)["remedy"] == fit.describe(p.remedy)
 
 
 def test_train_refuses_a_job_that_cannot_fit(tmp_path, monkeypatch, small_overrides):
@@ -161,7 +161,7 @@ def test_sweep_ranks_every_mesh_and_remat(small_overrides):
         assert remats["full"].temporaries < remats["none"].temporaries
     fsdp2, data2 = (1, 1, 2, 1, 1, 2), (2, 1, 1, 1, 1, 2)  # data stage fsdp context expert tensor
     assert by_mesh[fsdp2]["none"].params * 2 == by_mesh[data2]["none"].params  # fsdp=2 halves them
-    table = plan.sweep_table(rows).splitlines()
+    table = report.sweep_table(rows).splitlines()
     assert len(table) == 1 + 18 and "tensor" in table[0]
     assert sum("cannot: train.grad_accum=4 leaves microbatches" in line for line in table) == 9
     for line, (changes, _) in zip(table[1:], rows):

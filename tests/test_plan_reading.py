@@ -5,7 +5,7 @@ import re
 
 import pytest
 from podtrain.config.load import load_config
-from podtrain.planning import cost, fit, hlo, plan
+from podtrain.planning import cost, fit, hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
@@ -31,13 +31,13 @@ def test_operations_add_up_to_the_step_and_name_their_source():
     assert all(o.flops > 0 for o in p.top_flops)
 
     # What `plan --top 3` prints: three rows of each ranking, with shares and sources.
-    out = plan.report(p, top=3)
+    out = report.report(p, top=3)
     bytes_rows = out.split("top bytes")[1].split("top flops")[0].strip().splitlines()[1:]
     flops_rows = out.split("top flops")[1].strip().splitlines()[1:]
     assert len(bytes_rows) == 3 and len(flops_rows) == 3
     for row, o in zip(bytes_rows + flops_rows, p.top_bytes[:3] + p.top_flops[:3]):
         assert row.split()[0].endswith("%") and o.source in row and row.endswith(o.name), row
-    assert [op["name"] for op in plan.as_json(p, top=2)["top_flops"]] == [o.name for o in p.top_flops[:2]]
+    assert [op["name"] for op in report.as_json(p, top=2)["top_flops"]] == [o.name for o in p.top_flops[:2]]
 
 
 def test_one_branch_of_a_conditional_runs_and_each_counts_its_share():

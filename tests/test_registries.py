@@ -18,7 +18,7 @@ from podtrain.models import MODELS, llama
 from podtrain.models.llama_config import LlamaConfig
 from podtrain.models.moe import MoeConfig
 from podtrain.planning import fit, gpus, targets
-from podtrain.planning.plan import sweep_table
+from podtrain.planning.report import sweep_table
 from podtrain.runtime.chips import CHIPS
 from podtrain.runtime.mesh import DCN_AXES
 from podtrain.sharding import AXES, PLAIN_AXES

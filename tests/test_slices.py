@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import MeshError
-from podtrain.planning import hlo, plan
+from podtrain.planning import hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh, describe
 from podtrain.train.job import build
@@ -68,6 +68,6 @@ def test_a_plan_for_two_slices_counts_the_network():
     grads = 4 * sum(x.size for x in jax.tree.leaves(job.setup.fns.abstract_params))
     assert 0 < p.dcn <= grads
     assert p.times["dcn"] == pytest.approx(p.dcn / target.chip.dcn_bandwidth)
-    assert "dcn " in plan.report(p) and plan.as_json(p)["slices"] == 2
+    assert "dcn " in report.report(p) and report.as_json(p)["slices"] == 2
     with pytest.raises(MeshError, match="lie on 2 TPU slices"):
         plan.plan(load_config(None, SMALL), target)

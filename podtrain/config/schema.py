@@ -103,6 +103,9 @@ class ModelConfig:
     attention: Literal["auto", "xla", "cudnn", "splash"] = key(
         "auto", "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
     )
+    matmul_precision: Literal["compute", "fp8", "int8"] = key(
+        "compute", "the layers' weight matmuls: in the compute dtype, fp8 (H100/H200) or int8 (TPU v5e/v5p/v6e)"
+    )
 
     def validate(self) -> None:
         """Relations between this family's keys; subclasses add theirs."""

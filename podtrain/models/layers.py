@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models import fused_mlp, lora
+from podtrain.models import fused_mlp, lora, ops
 from podtrain.models.pipeline import pipelined
 from podtrain.sharding import constrain, stages
 
@@ -39,28 +39,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def output_head(x: jax.Array, head: jax.Array, dtype) -> jax.Array:
     """Logits of x (..., embed) through an (embed, vocab) head laid out as HEAD: inputs in the
     compute dtype, accumulated and returned in float32 (MaxText's logits_dot_in_fp32)."""
-    return constrain(_logits_matmul(x.astype(dtype), head.astype(dtype)), LOGITS)
-
-
-@jax.custom_vjp
-def _logits_matmul(x: jax.Array, head: jax.Array) -> jax.Array:
-    """x @ head in float32. Its backward takes the logits' gradient in the inputs' dtype, as every
-    other matmul's backward does: autodiff would keep it in float32 and run both gradient matmuls
-    in float32 (TF32 on a GPU: 14 ms of the 1B recipe's 248 ms step on an H200)."""
-    return jnp.matmul(x, head, preferred_element_type=jnp.float32)
-
-
-def _logits_matmul_fwd(x: jax.Array, head: jax.Array):
-    return _logits_matmul(x, head), (x, head)
-
-
-def _logits_matmul_bwd(saved, d_logits: jax.Array):
-    x, head = saved
-    d_logits = d_logits.astype(x.dtype)
-    return d_logits @ head.T, jnp.einsum("...e,...v->ev", x, d_logits)
-
-
-_logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
+    return constrain(ops.logits_dot(x.astype(dtype), head.astype(dtype)), LOGITS)
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float) -> nnx.Param:
@@ -204,8 +183,14 @@ def _swiglu_bwd(gate_up, d_hidden):
 swiglu.defvjp(lambda gate_up: (swiglu(gate_up), gate_up), _swiglu_bwd)
 
 
+def _gate_up(x, w_in, x_axes):
+    """x's gate and up pre-activations (..., 2, d_ff): one matmul, so that the gradient reaches x
+    through one all-reduce."""
+    return constrain(ops.dot("...d,dkf->...kf", x, w_in, w_in.dtype), (*x_axes[:-1], None, "act_mlp"))
+
+
 def _mlp_hidden(x, w_in, x_axes):
-    gate_up = constrain(jnp.einsum("...d,dkf->...kf", x, w_in), (*x_axes[:-1], None, "act_mlp"))
+    gate_up = _gate_up(x, w_in, x_axes)
     return gate_up, swiglu(gate_up)
 
 
@@ -215,7 +200,7 @@ def swiglu_mlp(x: jax.Array, w_in: jax.Array, w_down: jax.Array, x_axes: tuple[s
     (..., 2, d_ff) pre-activations and the hidden layer are computed again from x there instead of
     being written to memory, stacked per layer and read back. The same operations as SwiGLU's plain
     path forward; its gradients are autodiff's to rounding."""
-    return _mlp_hidden(x, w_in, x_axes)[1] @ w_down
+    return ops.dot("...f,fd->...d", _mlp_hidden(x, w_in, x_axes)[1], w_down, w_down.dtype)
 
 
 def _swiglu_mlp_fwd(x, w_in, w_down, x_axes):
@@ -241,7 +226,8 @@ class SwiGLU(nnx.Module):
     """silu(x W_gate) * (x W_up) W_down over the last axis, whose logical name is `axis` for the
     weights; `x_axes` names x's axes. Column- then row-parallel over mlp: one all-reduce under tensor parallelism.
     With `recompute` the backward keeps only x and computes the hidden layer again (`swiglu_mlp`);
-    with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`).
+    with `kernel="pallas"` (TPU) one Pallas kernel keeps that layer in VMEM (`fused_mlp`); both
+    multiply in the compute dtype, so a low-precision policy (models/ops.py) takes the plain path.
     With activation="gelu_tanh" it is GeGLU (Gemma), differentiated by autodiff, as are LoRA's adapters."""
 
     adaptable = {"w_gate": 1, "w_up": 1, "w_down": 1}  # for LoRA (models/lora.py): each weight's input axes
@@ -268,25 +254,24 @@ class SwiGLU(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # gate and up as one matmul, so that the gradient reaches x through one all-reduce
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         w_down = self.w_down[...].astype(self.dtype)
         low_rank = lora.adapted(self)
-        plain = low_rank or self.activation != "silu"
+        plain = low_rank or self.activation != "silu" or ops.current() != "compute"
         if self.kernel == "pallas" and not plain and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
             return constrain(fused_mlp.fused_swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         if self.recompute and not plain:
             return constrain(swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
-        gate_up = jnp.einsum("...d,dkf->...kf", x, w_in)
+        gate_up = _gate_up(x, w_in, self.x_axes)
         if low_rank:  # autodiff's backward: the adapters' terms join the plain path
             terms = [lora.low_rank(self, name, x, self.dtype) for name in ("w_gate", "w_up")]
             gate_up = gate_up + jnp.stack([jnp.zeros_like(gate_up[..., 0, :]) if t is None else t for t in terms], -2)
-        gate_up = constrain(gate_up, (*self.x_axes[:-1], None, "act_mlp"))
+            gate_up = constrain(gate_up, (*self.x_axes[:-1], None, "act_mlp"))
         if self.activation == "gelu_tanh":  # GeGLU (Gemma): autodiff's backward, none of silu's kernels
             hidden = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
         else:
             hidden = swiglu(gate_up)
-        out = hidden @ w_down
+        out = ops.dot("...f,fd->...d", hidden, w_down, self.dtype)
         if (term := lora.low_rank(self, "w_down", hidden, self.dtype)) is not None:
             out = out + term
         return constrain(out, self.x_axes)
@@ -297,40 +282,55 @@ class SwiGLU(nnx.Module):
 KEPT = "kept_under_remat"
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.save_only_these_names(KEPT),
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(ops.PRODUCT),
+    ),
 }
 
 
 def scan_layers(
-    layers: nnx.Module, x, *args, per_layer: tuple = (), remat: str = "none", unroll: int | str = 1
+    layers: nnx.Module,
+    x,
+    *args,
+    per_layer: tuple = (),
+    remat: str = "none",
+    unroll: int | str = 1,
+    precision: str = "compute",
+    decode: bool = False,
 ) -> tuple[Any, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
     Returns x and the layers' reports, stacked (layers, ...): a layer class with `reports = True`
-    returns (x, report) (an MoE layer's routing statistics); else None.
+    returns (x, report) (an MoE layer's routing statistics); else None. With `decode` each layer's
+    `decode` runs instead, and its report is its part of the cache.
 
-    Compile time stays independent of depth; `remat` trades recomputation for activation memory.
+    Compile time stays independent of depth; `remat` trades recomputation for activation memory;
+    the weights' matmuls run under `precision` (models/ops.py).
     `unroll` layers per iteration; `auto` that no runtime resolved (a model built by hand) scans.
     On a mesh with a `stage` axis the stack runs as a pipeline (`models.pipeline`); every one of
     `args` is then per example (batch, ...), or None.
     """
     graphdef, state = nnx.split(layers)
+    unroll = 1 if unroll == "auto" else unroll
 
     def run(state, h, args, per_layer):
         def body(h, layer):
             layer_state, own, index = layer
             module = nnx.merge(graphdef, layer_state)
-            with lora.layer(index):
-                out = module(h, *args, *own)
-            return out if getattr(module, "reports", False) else (out, None)
+            with lora.layer(index), ops.policy(precision):
+                out = (module.decode if decode else module)(h, *args, *own)
+            return out if decode or getattr(module, "reports", False) else (out, None)
 
         if remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+            # Without CSE's guard a rolled scan stays right (one layer per iteration) and compiles
+            # leaner; unrolled, XLA would merge the recomputation back into the forward pass.
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unroll != 1)
         indices = jnp.arange(jax.tree.leaves(state)[0].shape[0])
-        return jax.lax.scan(body, h, (state, per_layer, indices), unroll=1 if unroll == "auto" else unroll)
+        return jax.lax.scan(body, h, (state, per_layer, indices), unroll=unroll)
 
     n_stages, pipeline = stages()
-    if n_stages == 1 or jax.tree.leaves(x)[0].shape[0] % pipeline.microbatches:  # a prompt: no pipeline
+    if n_stages == 1 or decode or jax.tree.leaves(x)[0].shape[0] % pipeline.microbatches:  # a prompt: no pipeline
         return run(state, x, args, per_layer)
     names = nnx.get_partition_spec(state)
     outputs = pipelined(lambda *stage: run(*stage)[0], state, names, x, args, per_layer, n_stages, pipeline)

@@ -76,7 +76,7 @@ class Block(nnx.Module):
             lambda h: self.mlp_branch(h, mlp or self.mlp),
         )
 
-    def decode(self, x: jax.Array, rope, cache, start, valid, window=None, mlp=None) -> tuple[jax.Array, tuple]:
+    def decode(self, x: jax.Array, rope, start, valid, cache, window=None, mlp=None) -> tuple[jax.Array, tuple]:
         """The block on new tokens whose earlier keys and values are in `cache`; returns it updated."""
         updated, rope = [], layer_rope(rope, window)
 
@@ -159,7 +159,15 @@ class Llama(nnx.Module):
         x, reports = self.widen(self.embedded(table, tokens)), []
         for (stack, _), own in zip(self.stacks(), self.by_stack(self.per_layer())):
             x, report = scan_layers(
-                stack, x, rope, segment_ids, positions, per_layer=own, remat=self.cfg.remat, unroll=self.cfg.scan_unroll
+                stack,
+                x,
+                rope,
+                segment_ids,
+                positions,
+                per_layer=own,
+                remat=self.cfg.remat,
+                unroll=self.cfg.scan_unroll,
+                precision=self.cfg.matmul_precision,
             )
             reports.append(report)
         return table, self.narrow(x), self.auxiliary(reports)
@@ -194,13 +202,7 @@ class Llama(nnx.Module):
         rope = self.rope(start + jnp.arange(tokens.shape[1]))
         x, updated = self.widen(self.embedded(table, tokens)), []
         for (stack, _), layer_cache, own in zip(self.stacks(), self.by_stack(cache), self.by_stack(self.per_layer())):
-            graphdef, state = nnx.split(stack)
-
-            def body(h, layer, graphdef=graphdef):
-                layer_state, layer_cache, own = layer
-                return nnx.merge(graphdef, layer_state).decode(h, rope, layer_cache, start, valid, *own)
-
-            x, new = jax.lax.scan(body, x, (state, layer_cache, own))
+            x, new = scan_layers(stack, x, rope, start, valid, per_layer=(layer_cache, *own), decode=True)
             updated.append(new)
         return self.logits(table, self.narrow(x)), jax.tree.map(lambda *c: jnp.concatenate(c), *updated)
 

@@ -137,8 +137,8 @@ class MoeBlock(llama.Block):
 
         return super().__call__(x, rope, segments, positions, window, mlp=routed), found[0]
 
-    def decode(self, x: jax.Array, rope, cache, start, valid, window=None) -> tuple[jax.Array, tuple]:
-        return super().decode(x, rope, cache, start, valid, window, mlp=lambda h: self.mlp(h)[0])
+    def decode(self, x: jax.Array, rope, start, valid, cache, window=None) -> tuple[jax.Array, tuple]:
+        return super().decode(x, rope, start, valid, cache, window, mlp=lambda h: self.mlp(h)[0])
 
 
 class Moe(llama.Llama):

@@ -163,10 +163,13 @@ class ReasoningModule(nnx.Module):
 
     def __init__(self, cfg: RecursiveConfig, n_layers: int, seq_len: int, mlp_t: bool, rngs: nnx.Rngs):
         self.layers = stacked(n_layers, lambda r: ReasoningBlock(cfg, seq_len, mlp_t, r), rngs)
-        self.remat, self.unroll = cfg.remat, cfg.scan_unroll
+        self.remat, self.unroll, self.precision = cfg.remat, cfg.scan_unroll, cfg.matmul_precision
 
     def __call__(self, h: jax.Array, injection: jax.Array, rope) -> jax.Array:
-        return scan_layers(self.layers, h + injection, rope, remat=self.remat, unroll=self.unroll)[0]
+        layers = scan_layers(
+            self.layers, h + injection, rope, remat=self.remat, unroll=self.unroll, precision=self.precision
+        )
+        return layers[0]
 
 
 class RecursiveReasoner(nnx.Module):

@@ -37,6 +37,7 @@ _ALLOCATION = re.compile(r'custom_call_target="AllocateBuffer"')
 _FRAME = re.compile(r"\bstack_frame_id=(\d+)")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _SECTION_ROW = re.compile(r"^(\d+) (.*)$")
+PASSED = ("ops.py:",)  # files an operation's source skips for their caller: every matmul is made in ops.py
 
 
 def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
@@ -103,21 +104,30 @@ def _flops(line: str, op: str, operands: list[str], result: str, shapes: dict) -
     return 2 * _matmul_macs(line, op, operands, result, shapes)
 
 
-def _computation_flops(lines: list[str]) -> int:
-    """Matmul FLOPs of one run of a computation's own instructions."""
-    shapes, total = {}, 0
+# A matmul's format by its operands' element type: those the chips multiply faster than bfloat16
+# (models/ops.py's policies; `Chip.narrow_flops`).
+NARROW = {"f8e4m3fn": "fp8", "f8e5m2": "fp8", "f8e4m3": "fp8", "s8": "int8"}
+
+
+def _computation_flops(lines: list[str], narrow: str | None = None) -> int:
+    """Matmul FLOPs of one run of a computation's own instructions; with `narrow` ("fp8", "int8")
+    only those of matmuls whose operands are all of that format."""
+    shapes, formats, total = {}, {}, 0
     for line, result, type_text, op, operands in hlo.instructions(lines):
         shapes[result] = hlo.shape_of(type_text)
-        total += _flops(line, op, operands, result, shapes)
+        formats[result] = NARROW.get(type_text.split("[", 1)[0].strip())
+        if narrow is None or (operands and all(formats.get(o) == narrow for o in operands[:2])):
+            total += _flops(line, op, operands, result, shapes)
     return total
 
 
-def matmul_flops(text: str) -> int:
+def matmul_flops(text: str, narrow: str | None = None) -> int:
     """FLOPs of the dots and convolutions of one run of the program (2 per multiply-add), every
-    instruction counted as often as it runs: the matmuls a device really does, remat included."""
+    instruction counted as often as it runs: the matmuls a device really does, remat included.
+    With `narrow`, only those of that format's operands (a fusion's parameters carry their type)."""
     bodies, entry = hlo.computations(text)
     times = hlo.multipliers(bodies, entry)
-    return sum(_computation_flops(lines) * times[name] for name, lines in bodies.items() if times.get(name))
+    return sum(_computation_flops(lines, narrow) * times[name] for name, lines in bodies.items() if times.get(name))
 
 
 _SLICES = ("dynamic-slice", "slice", "gather")  # read only the part they return
@@ -220,13 +230,21 @@ def _stack_frames(text: str) -> dict[str, str]:
             section[row.group(1)] = row.group(2)
         else:
             section = None
-    files, frames = tables.get("FileNames", {}), {}
+    files, places, callers = tables.get("FileNames", {}), {}, {}
     for frame, text in tables.get("StackFrames", {}).items():
         location = tables.get("FileLocations", {}).get(re.search(r"file_location_id=(\d+)", text).group(1), "")
         file, line = re.search(r"file_name_id=(\d+)", location), re.search(r"\bline=(\d+)", location)
         if file and line:
             name = files.get(file.group(1), "?").strip('"').rsplit("/", 1)[-1]
-            frames[frame] = f"{name}:{line.group(1)}"
+            places[frame] = f"{name}:{line.group(1)}"
+        # The table numbers frames from 1 and its parent ids from 1 above them (1: none).
+        callers[frame] = str(int(re.search(r"parent_frame_id=(\d+)", text).group(1)) - 1)
+    frames = {}
+    for frame in places:
+        at = frame
+        while places[at].startswith(PASSED) and callers.get(at) in places:  # the layer's line, not ops.dot's
+            at = callers[at]
+        frames[frame] = places[at]
     return frames
 
 

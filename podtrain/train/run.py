@@ -24,8 +24,8 @@ from podtrain.errors import CheckpointError, ConfigError, DataError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
 from podtrain.models import MODELS, family
-from podtrain.planning import fit
-from podtrain.runtime.chips import device_memory
+from podtrain.planning import fit, precision
+from podtrain.runtime.chips import chip_of, device_memory
 from podtrain.train import adapters, lease
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.state import ModelFns, model_fns
@@ -40,6 +40,8 @@ def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime
         resolved = fit.choose_unroll(resolved, rt.mesh, device_memory(rt.devices[0]))
         if announce and rt.is_main:
             print(f"[podtrain] model.scan_unroll=auto: {resolved.model.scan_unroll} (by the compiled step's memory)")
+    if announce and rt.is_main and (said := precision.no_gain(chip_of(rt.devices[0]), cfg.model.matmul_precision)):
+        print(f"[podtrain] model.matmul_precision={cfg.model.matmul_precision}: {said}")
     return rt, resolved
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.models import lora
+from podtrain.models import lora, ops
 from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
@@ -91,7 +91,7 @@ class Attention(nnx.Module):
 
         # One projection for q, k and v, laid out per k/v head (the shards never split a group), so
         # that the gradient reaches x through one matmul: one all-reduce, not three.
-        qkv = jnp.einsum("btd,dngh->btngh", x_BTD, per_kv_head(w["wq"], w["wk"], w["wv"], 1))
+        qkv = ops.dot("btd,dngh->btngh", x_BTD, per_kv_head(w["wq"], w["wk"], w["wv"], 1), self.dtype)
         if self.bias != "none":
             qkv = qkv + per_kv_head(w["bq"], w["bk"], w["bv"], 0)[None, None]
         qkv = constrain(qkv, (*kv_axes[:3], None, "act_head_dim"))
@@ -124,7 +124,7 @@ class Attention(nnx.Module):
         return jax.lax.switch(pick, [partial(run, segments=segments) for run in kernels], q, k, v)
 
     def output(self, out_BTNH: jax.Array) -> jax.Array:
-        out = jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo[...].astype(self.dtype))
+        out = ops.dot("btnh,nhd->btd", out_BTNH, self.wo[...], self.dtype)
         if (term := lora.low_rank(self, "wo", out_BTNH, self.dtype)) is not None:
             out = out + term
         return constrain(out + self.bo[...].astype(self.dtype)[None, None] if self.bias == "all" else out, ACT)
