@@ -1,0 +1,84 @@
+"""DeepSeek-V3 as podtrain's MoE with multi-head latent attention: the decode cache holds the
+latents alone, and the model split over fsdp x tensor x expert trains as on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from podtrain.config.load import load_config
+from podtrain.errors import ConfigError
+from podtrain.models import build_model
+from podtrain.train.adapters import weights_adapted
+
+from helpers import SMALL, run_steps
+
+# A DeepSeek-style MoE with latent attention as podtrain keys, small enough for 8 fake devices on 2 cores.
+MLA = [
+    "model.name=moe",
+    "model.n_layers=3",
+    "model.first_dense_layers=1",
+    "model.experts=4",
+    "model.experts_per_token=2",
+    "model.expert_d_ff=32",
+    "model.shared_experts=1",
+    "model.router=sigmoid",
+    "model.router_groups=2",
+    "model.router_topk_groups=1",
+    "model.attention_kind=mla",
+    "model.q_lora_rank=16",
+    "model.kv_lora_rank=8",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=4",
+    "model.v_head_dim=12",
+]
+
+
+def test_the_decode_cache_holds_the_latent_and_the_rotated_key_alone(small_overrides):
+    """Per position and layer, kv_lora_rank + qk_rope_head_dim values (8 + 4), not 2 x heads x
+    head dims; prefill then one-token steps give the logits of the whole sequence at once."""
+    cfg = load_config(None, [*small_overrides, *MLA]).model
+    model = build_model(cfg, nnx.Rngs(0))
+    cache = model.init_cache(2, 32)
+    per_position = sum(c.nbytes for c in jax.tree.leaves(cache)) / (2 * 32)
+    assert per_position == (8 + 4) * cfg.n_layers * jnp.dtype(cfg.compute_dtype).itemsize == 144
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, cfg.vocab_size)
+    whole = np.asarray(model(tokens))
+    logits, cache = model.decode(tokens[:, :12], cache, jnp.int32(0))
+    steps = [logits]
+    for p in range(12, 20):
+        logits, cache = model.decode(tokens[:, p : p + 1], cache, jnp.int32(p))
+        steps.append(logits)
+    assert [c.shape for c in jax.tree.leaves(cache)] == [(cfg.n_layers, 2, 32, 12)]
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=0, atol=1e-5)
+
+
+def test_latent_attention_split_over_fsdp_tensor_and_expert_trains_as_one_device():
+    overrides = [*SMALL, *MLA, "model.n_heads=4"]
+    ref_losses, ref_params = run_steps([*overrides, "mesh.data=1"], 1, n_steps=2)
+    mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]
+    losses, params = run_steps([*overrides, *mesh], 8, n_steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (["model.attention=splash"], "model.attention_kind=mla runs on the xla attention"),
+        (["mesh.context=2", "mesh.data=1"], "model.attention_kind=mla runs on the xla attention"),
+        (["model.qk_norm=true"], "model.attention_kind=mla has no model.qk_norm=True"),
+        (["model.qk_rope_head_dim=5"], "RoPE rotates pairs"),
+        (["model.rope_scaling=yarn"], "mscale"),
+    ],
+)
+def test_what_latent_attention_does_not_compute_is_refused(small_overrides, bad, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, [*small_overrides, *MLA, *bad])
+
+
+def test_lora_on_latent_attention_is_refused_and_on_its_mlps_allowed(small_overrides, tmp_path):
+    lora = [*small_overrides, *MLA, "train.lora.rank=4", f"train.init_from={tmp_path}"]
+    with pytest.raises(ConfigError, match="q_proj, v_proj, and model.attention_kind=mla's latent attention"):
+        weights_adapted(load_config(None, [*lora, "train.lora.targets=[q_proj,v_proj,up_proj]"]))
+    assert weights_adapted(load_config(None, [*lora, "train.lora.targets=[up_proj]"])) == {"w_up"}
