@@ -63,7 +63,7 @@ class MoeConfig(llama.LlamaConfig):
         "the experts' grouped matmuls: ragged_dot (XLA's jax.lax.ragged_dot), megablox (the Pallas TPU kernel, "
         "which visits only the rows a device's experts were given); auto: megablox on TPU, else ragged_dot",
     )
-    hf_type: Literal["mixtral", "qwen3_moe"] = key(
+    hf_type: Literal["mixtral", "qwen3_moe", "deepseek_v3"] = key(
         "mixtral", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
     )
 
