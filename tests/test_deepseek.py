@@ -1,10 +1,11 @@
 """DeepSeek-V3 as podtrain's MoE with multi-head latent attention: a random transformers model
 (queries through q_lora_rank, interleaved rotary pairs, two dense layers then two MoE layers with
 grouped sigmoid routing, a random selection bias and shared experts) imported, compared logit for logit
-and token for token, exported back bit for bit; the decode cache holds the latents alone; and
-the model split over fsdp x tensor x expert trains as on one device."""
+and token for token, exported back bit for bit; the decode cache holds the latents alone; the
+model split over fsdp x tensor x expert trains as on one device; the TPU kernel takes its heads."""
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from podtrain.cli import main
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
 from podtrain.models import build_model
+from podtrain.models.attention import grouped_attention, splash_attention
 from podtrain.train.adapters import weights_adapted
 from podtrain.train.run import Run
 from podtrain.train.tasks.sampling import cached_tokens
@@ -128,8 +130,8 @@ def test_latent_attention_split_over_fsdp_tensor_and_expert_trains_as_one_device
 @pytest.mark.parametrize(
     "bad, words",
     [
-        (["model.attention=splash"], "model.attention_kind=mla runs on the xla attention"),
-        (["mesh.context=2", "mesh.data=1"], "model.attention_kind=mla runs on the xla attention"),
+        (["model.attention=cudnn"], "model.attention_kind=mla runs on the xla or splash attention"),
+        (["mesh.context=2", "mesh.data=1"], "model.attention_kind=mla runs on the xla or splash attention"),
         (["model.qk_norm=true"], "model.attention_kind=mla has no model.qk_norm=True"),
         (["model.qk_rope_head_dim=5"], "RoPE rotates pairs"),
         (["model.rope_scaling=yarn"], "mscale"),
@@ -145,3 +147,15 @@ def test_lora_on_latent_attention_is_refused_and_on_its_mlps_allowed(small_overr
     with pytest.raises(ConfigError, match="q_proj, v_proj, and model.attention_kind=mla's latent attention"):
         weights_adapted(load_config(None, [*lora, "train.lora.targets=[q_proj,v_proj,up_proj]"]))
     assert weights_adapted(load_config(None, [*lora, "train.lora.targets=[up_proj]"])) == {"w_up"}
+
+
+def test_the_splash_kernel_takes_values_narrower_than_queries_and_keys():
+    """Latent attention's heads: keys of nope + rope dims, values of v_head_dim. The TPU kernel (run
+    by its interpreter) gives the xla path's outputs and gradients."""
+    q, k, v = (
+        jax.random.normal(key, (1, 256, 2, d)) for key, d in zip(jax.random.split(jax.random.key(0), 3), (24, 24, 16))
+    )
+    splash, xla = partial(splash_attention, interpret=True, scale=0.2), partial(grouped_attention, scale=0.2)
+    np.testing.assert_allclose(splash(q, k, v), xla(q, k, v), rtol=0, atol=1e-5)
+    grads = [jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), (0, 1, 2))(q, k, v) for f in (splash, xla)]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), *grads)

@@ -7,12 +7,13 @@ values a position per layer instead of 2 x heads x head_dim.
         latent -> wkv_b -> per head k_nope (qk_nope_head_dim) and v (v_head_dim)
     scores of [q_nope | rotated q_rope] with [k_nope | rotated k_rope, one key shared by all heads]
 
-Training attends over the keys and values expanded per head (`grouped_attention`, v of its own
-width). Decoding attends to the cache in the absorbed form: wkv_b's key half is folded into each
-query (q_nope wkv_b_k: heads x kv_lora_rank) and its value half applied after the softmax, so
-the cached [latent | rotated k_rope] is the single key head, and its latent the single value head,
-of a multi-query attention. With `interleave` the rotary pairs are (x0, x1), (x2, x3), ...
-(DeepSeek's layout, transformers' rope_interleave), gathered into halves before Llama's rotation.
+Training attends over the keys and values expanded per head (`grouped_attention`, or the splash
+kernel on TPU; v of its own width in both). Decoding attends to the cache in the absorbed form:
+wkv_b's key half is folded into each query (q_nope wkv_b_k: heads x kv_lora_rank) and its value
+half applied after the softmax, so the cached [latent | rotated k_rope] is the single key head,
+and its latent the single value head, of a multi-query attention. With `interleave` the rotary
+pairs are (x0, x1), (x2, x3), ... (DeepSeek's layout, transformers' rope_interleave), gathered
+into halves before Llama's rotation.
 
 As in transformers' deepseek_v3, the two latent norms keep eps 1e-6 whatever the model's
 norm_eps. Biases, q/k norms and soft-caps are not options of this attention.
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.module import ring_places, ring_write
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, RMSNorm, apply_rope, param
@@ -53,6 +55,7 @@ class LatentAttention(nnx.Module):
         rngs: nnx.Rngs,
         interleave: bool = True,
         scale: float | None = None,
+        implementation: str = "xla",
     ):
         qk = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank:
@@ -67,7 +70,7 @@ class LatentAttention(nnx.Module):
         self.wkv_b = param(rngs, (kv_lora_rank, n_heads, width), ("latent", "heads", "head_dim"), std)
         self.wo = param(rngs, (n_heads, v_head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
         self.dtype, self.interleave, self.scale = dtype, interleave, scale or qk**-0.5
-        self.nope, self.rank = qk_nope_head_dim, kv_lora_rank
+        self.nope, self.rank, self.implementation = qk_nope_head_dim, kv_lora_rank, implementation
 
     def rotate(self, x: jax.Array, rope) -> jax.Array:
         """x (batch, seq, heads, rope dims) rotated by position, from interleaved pairs if so laid out."""
@@ -103,8 +106,11 @@ class LatentAttention(nnx.Module):
         kv = constrain(jnp.einsum("btc,cnh->btnh", c[..., : self.rank], self.wkv_b[...].astype(self.dtype)), HEADS)
         k_rope = jnp.broadcast_to(c[:, :, None, self.rank :], (*kv.shape[:3], c.shape[-1] - self.rank))
         q, k = jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([kv[..., : self.nope], k_rope], axis=-1)
-        pair = None if segments is None else (segments, segments)
-        out = grouped_attention(q, k, kv[..., self.nope :], True, self.scale, segments=pair, window=window)
+        if self.implementation == "splash":
+            out = splash_attention(q, k, kv[..., self.nope :], True, scale=self.scale, segments=segments)
+        else:
+            pair = None if segments is None else (segments, segments)
+            out = grouped_attention(q, k, kv[..., self.nope :], True, self.scale, segments=pair, window=window)
         return self.output(constrain(out, HEADS))
 
     def decode(self, x_BTD: jax.Array, rope, cache: tuple[jax.Array], start, window=None, valid=None):
