@@ -92,6 +92,20 @@ def test_deepseek_v3_imports_generates_and_exports_like_transformers(tmp_path, c
     exports_back(tmp_path, "deepseek_v3", model)
 
 
+def test_deepseek_v2_lite_s_attention_with_yarn_imports_like_transformers(tmp_path):
+    """Queries in one projection (q_lora_rank null), rotary halves, and YaRN from a context of 16
+    whose mscale_all_dim scales the scores too: logits as transformers', and back bit for bit."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707}
+    options = {"q_lora_rank": None, "rope_interleave": False, "rope_parameters": {**yarn, "mscale_all_dim": 0.707}}
+    model = hf_model(tmp_path / "hf", "deepseek_v3", {**DEEPSEEK, **options})
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    cfg, fns, params = Run.at(tmp_path / "run").language_model()
+    assert (cfg.model.q_lora_rank, cfg.model.rope_mscale_all_dim) == (0, 0.707)
+    difference = np.abs(np.asarray(fns.apply(params, TOKENS)) - torch_logits(model, TOKENS)).max()
+    assert difference < 1e-4, difference
+    exports_back(tmp_path, "deepseek_v3", model)
+
+
 def _split(model_cfg, params):
     """(graphdef, state) of a model of `model_cfg` holding `params`."""
     graphdef, state = nnx.split(build_model(model_cfg, nnx.Rngs(0)))
@@ -134,7 +148,6 @@ def test_latent_attention_split_over_fsdp_tensor_and_expert_trains_as_one_device
         (["mesh.context=2", "mesh.data=1"], "model.attention_kind=mla runs on the xla or splash attention"),
         (["model.qk_norm=true"], "model.attention_kind=mla has no model.qk_norm=True"),
         (["model.qk_rope_head_dim=5"], "RoPE rotates pairs"),
-        (["model.rope_scaling=yarn"], "mscale"),
     ],
 )
 def test_what_latent_attention_does_not_compute_is_refused(small_overrides, bad, words):

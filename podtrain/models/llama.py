@@ -121,6 +121,7 @@ def latent_attention(cfg: LlamaConfig, std: float, out_std: float, dtype, rngs: 
         dtype=dtype,
         rngs=rngs,
         interleave=cfg.rope_interleave,
+        scale=cfg.latent_scale,
         implementation=cfg.attention,
     )
 

@@ -3,6 +3,7 @@ Hugging Face families it computes (biases, q/k norms, sliding windows, soft-caps
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,11 @@ class LlamaConfig(LanguageModelConfig):
         0.0, "yarn: cos and sin are scaled by this; 0: 0.1 ln(rope_factor) + 1, as YaRN's paper", ">= 0"
     )
     rope_truncate: bool = key(True, "yarn: the ramp's ends rounded to whole dimensions (as transformers)")
+    rope_mscale_all_dim: float = key(
+        0.0,
+        "yarn with attention_kind=mla: scores times (0.1 x this x ln(rope_factor) + 1)^2 (DeepSeek); 0: not",
+        ">= 0",
+    )
     head_dim: int = key(0, "width of each attention head; 0: d_model / n_heads", ">= 0")
     attention_bias: Literal["none", "qkv", "all"] = key(
         "none", "biases of the attention projections: none, on q/k/v (Qwen2), or on q/k/v and the output"
@@ -88,6 +94,14 @@ class LlamaConfig(LanguageModelConfig):
     def rotary_dims(self) -> int:
         """Each query's rotated dimensions (as transformers rounds a partial rotary fraction)."""
         return self.qk_rope_head_dim if self.attention_kind == "mla" else int(self.head_size * self.rotary_fraction)
+
+    @property
+    def latent_scale(self) -> float:
+        """Latent attention's score scale: (nope + rope)^-0.5, times YaRN's mscale squared (DeepSeek's)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.rope_scaling != "yarn" or not self.rope_mscale_all_dim or self.rope_factor <= 1:
+            return scale
+        return scale * (0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1) ** 2
 
     @property
     def attention_dims(self) -> int:
@@ -146,9 +160,4 @@ class LlamaConfig(LanguageModelConfig):
             raise ConfigError(
                 f"model.attention_kind=mla has no {', '.join(not_off)}; leave them at their defaults, or use "
                 "model.attention_kind=gqa."
-            )
-        if self.rope_scaling == "yarn":
-            raise ConfigError(
-                "model.attention_kind=mla with model.rope_scaling=yarn: DeepSeek scales the scores by YaRN's mscale "
-                "too (mscale_all_dim), which podtrain does not compute; use another rope_scaling or none."
             )

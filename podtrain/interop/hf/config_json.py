@@ -29,6 +29,7 @@ ROPE_SCALINGS = {
         "rope_beta_slow": "beta_slow",
         "rope_truncate": "truncate",
         "rope_attention_factor": "attention_factor",
+        "rope_mscale_all_dim": "mscale_all_dim",  # DeepSeek's latent attention scales its scores by it
     },
 }
 
@@ -126,6 +127,7 @@ def _yarn(hf: dict, params: dict) -> dict:
         "rope_beta_slow": float(params.get("beta_slow") or 1),
         "rope_attention_factor": float(attention or 0.0),
         "rope_truncate": bool(params.get("truncate", True)),
+        "rope_mscale_all_dim": float(mscale_all_dim or 0.0),
     }
 
 
@@ -288,8 +290,9 @@ def _rope_scaling(model) -> dict | None:
     if model.rope_scaling == "none":
         return None
     fields = {theirs: getattr(model, ours) for ours, theirs in ROPE_SCALINGS[model.rope_scaling].items()}
-    if fields.get("attention_factor") == 0:  # YaRN's default: a file says so by leaving it out
-        del fields["attention_factor"]
+    for name in ("attention_factor", "mscale_all_dim"):  # at their defaults, a file leaves them out
+        if fields.get(name) == 0:
+            del fields[name]
     return {"rope_type": model.rope_scaling, **fields}
 
 
