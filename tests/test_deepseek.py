@@ -15,6 +15,7 @@ from flax import nnx
 from podtrain.cli import main
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
+from podtrain.interop.hf.config_json import export_family, hf_config
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention, splash_attention
 from podtrain.train.adapters import weights_adapted
@@ -133,7 +134,7 @@ def test_the_decode_cache_holds_the_latent_and_the_rotated_key_alone(small_overr
 
 
 def test_latent_attention_split_over_fsdp_tensor_and_expert_trains_as_one_device():
-    overrides = [*SMALL, *MLA, "model.n_heads=4"]
+    overrides = [*SMALL, *MLA]
     ref_losses, ref_params = run_steps([*overrides, "mesh.data=1"], 1, n_steps=2)
     mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]
     losses, params = run_steps([*overrides, *mesh], 8, n_steps=2)
@@ -172,3 +173,15 @@ def test_the_splash_kernel_takes_values_narrower_than_queries_and_keys():
     np.testing.assert_allclose(splash(q, k, v), xla(q, k, v), rtol=0, atol=1e-5)
     grads = [jax.grad(lambda *a, f=f: (f(*a) ** 2).sum(), (0, 1, 2))(q, k, v) for f in (splash, xla)]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), *grads)
+
+
+def test_a_latent_attention_moe_exports_as_deepseek_v3_only(small_overrides):
+    """A model trained here with latent attention and DeepSeek's router: Mixtral has no place for
+    it (the error names DeepSeek-V3), DeepSeek-V3's config.json holds it, its heads as kv heads."""
+    model = load_config(None, [*small_overrides, *MLA]).model
+    with pytest.raises(ConfigError, match="mixtral .* no place for model.attention_kind=mla.*hf_type=deepseek_v3"):
+        export_family(model)
+    config = hf_config(dataclasses.replace(model, hf_type="deepseek_v3"), {}, "float32")
+    expected = {"model_type": "deepseek_v3", "num_key_value_heads": 4, "first_k_dense_replace": 1}
+    expected |= {"q_lora_rank": 16, "kv_lora_rank": 8, "n_group": 2, "n_shared_experts": 1}
+    assert {name: config[name] for name in expected} == expected
