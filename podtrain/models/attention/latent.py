@@ -100,7 +100,8 @@ class LatentAttention(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, rope, segments=None, window=None, positions=None) -> jax.Array:
         """Causal attention of x to itself, within each segment of `segments` (batch, seq) if given;
-        the rotary `rope` tables are at the tokens' positions already."""
+        the rotary `rope` tables are at the tokens' positions already (`positions`, Attention's for
+        a split sequence, is not needed: latent attention refuses one)."""
         q_nope, q_rope = self.queries(x_BTD, rope)
         c = self.latent(x_BTD, rope)
         kv = constrain(jnp.einsum("btc,cnh->btnh", c[..., : self.rank], self.wkv_b[...].astype(self.dtype)), HEADS)
