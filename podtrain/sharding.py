@@ -36,6 +36,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "vocab": ("tensor",),
     "head_dim": (),
+    "latent": (),  # latent attention's low-rank widths (q_lora_rank, kv_lora_rank + the rotary key)
     "lora": (),  # the rank of a LoRA adapter (models/lora.py)
     "layers": ("stage",),  # a stack's layers, cut into consecutive pipeline stages
     "seq": (),  # the token-mixing weights of TRM's mlp_t

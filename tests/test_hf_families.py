@@ -109,7 +109,7 @@ def hf_model(folder, model_type, options, seed=0):
     config = transformers.AutoConfig.for_model(model_type, **{**SIZES, **options})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():  # norms start at one and biases at zero; random ones test their mapping
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:  # DeepSeek's router bias: a buffer
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
@@ -140,6 +140,12 @@ def test_family_imports_generates_and_exports_like_transformers(tmp_path, varian
     if windows and all(windows):  # every layer slides: the cache is a ring as long as the window, wrapped above
         assert fns.module(params).init_cache(1, cfg.model.max_seq_len)[0].shape[2] == max(windows) < 23
 
+    exports_back(tmp_path, model_type, model)
+
+
+def exports_back(tmp_path, model_type, model):
+    """tmp_path/run exported to tmp_path/out is tmp_path/hf again: `model_type`, every tensor
+    equal, and transformers loads it whole and computes what `model` does."""
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == model_type
     source, exported = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "out"))

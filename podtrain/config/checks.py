@@ -108,6 +108,11 @@ def attention_refusal(cfg: Config, kernel: str) -> str | None:
     """Why `kernel` cannot compute cfg's attention (block multiples, segments, a split sequence,
     windows, soft-caps), as the error that says so, or None: the checks and the `auto` choice both ask."""
     seq, split = getattr(cfg.train, "seq_len", 1), max(cfg.mesh.context, 1)
+    if getattr(cfg.model, "attention_kind", "gqa") == "mla" and (kernel == "cudnn" or split > 1):
+        return (
+            f"model.attention_kind=mla runs on the xla or splash attention over a whole sequence (model.attention="
+            f"{kernel}, mesh.context={cfg.mesh.context}); use model.attention=xla, splash or auto, and mesh.context=1."
+        )
     if kernel == "splash":
         if seq % SPLASH_BLOCK:
             return (

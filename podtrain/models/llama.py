@@ -1,4 +1,4 @@
-"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, scanned layers."""
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query (or latent) attention, SwiGLU, scanned layers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from podtrain.models.attention import Attention
+from podtrain.models.attention import Attention, LatentAttention
 from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
@@ -35,24 +35,28 @@ class Block(nnx.Module):
         dtype = jnp.dtype(cfg.compute_dtype)
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            std=std,
-            out_std=out_std,
-            dtype=dtype,
-            implementation=cfg.attention,
-            rngs=rngs,
-            head_dim=cfg.head_size,
-            bias=cfg.attention_bias,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.norm_eps,
-            norm_plus_one=cfg.norm_plus_one,
-            scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
-            softcap=cfg.attn_softcap,
-            windows=tuple(sorted(set(cfg.layer_windows() or []))),
-            context=cfg.context_attention,
+        self.attn = (
+            latent_attention(cfg, std, out_std, dtype, rngs)
+            if cfg.attention_kind == "mla"
+            else Attention(
+                cfg.d_model,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                std=std,
+                out_std=out_std,
+                dtype=dtype,
+                implementation=cfg.attention,
+                rngs=rngs,
+                head_dim=cfg.head_size,
+                bias=cfg.attention_bias,
+                qk_norm=cfg.qk_norm,
+                norm_eps=cfg.norm_eps,
+                norm_plus_one=cfg.norm_plus_one,
+                scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
+                softcap=cfg.attn_softcap,
+                windows=tuple(sorted(set(cfg.layer_windows() or []))),
+                context=cfg.context_attention,
+            )
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.mlp = self.make_mlp(cfg, std, out_std, dtype, rngs)
@@ -101,6 +105,25 @@ class Block(nnx.Module):
     def mlp_branch(self, x: jax.Array, mlp) -> jax.Array:
         out = mlp(self.mlp_norm(x))
         return self.mlp_post_norm(out) if self.post_norms else out
+
+
+def latent_attention(cfg: LlamaConfig, std: float, out_std: float, dtype, rngs: nnx.Rngs) -> LatentAttention:
+    return LatentAttention(
+        cfg.d_model,
+        cfg.n_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        std=std,
+        out_std=out_std,
+        dtype=dtype,
+        rngs=rngs,
+        interleave=cfg.rope_interleave,
+        scale=cfg.latent_scale,
+        implementation=cfg.attention,
+    )
 
 
 def layer_rope(rope, window):
@@ -206,12 +229,17 @@ class Llama(nnx.Module):
             updated.append(new)
         return self.logits(table, self.narrow(x)), jax.tree.map(lambda *c: jnp.concatenate(c), *updated)
 
-    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, ...]:
         """Empty keys and values for `length` positions: (layers, batch, slots, kv_heads, head_dim)
-        each, a ring of slots; when every layer slides, as many slots as the widest window."""
+        each, a ring of slots; when every layer slides, as many slots as the widest window. Latent
+        attention's is one array: (layers, batch, slots, kv_lora_rank + qk_rope_head_dim)."""
         cfg = self.cfg
         windows = cfg.layer_windows()
         slots = min(length, max(windows)) if windows and all(windows) else length
+        if cfg.attention_kind == "mla":
+            return (
+                jnp.zeros((cfg.n_layers, batch, slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.compute_dtype),
+            )
         shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_size)
         return jnp.zeros(shape, cfg.compute_dtype), jnp.zeros(shape, cfg.compute_dtype)
 
@@ -241,7 +269,7 @@ class Llama(nnx.Module):
             if cfg.rope_scaling == "yarn"
             else None
         )
-        rotary = int(cfg.head_size * cfg.rotary_fraction)  # as transformers rounds it
+        rotary = cfg.rotary_dims
         full = rope_tables(positions, rotary, cfg.rope_theta, llama3, linear, yarn)
         if not cfg.rope_local_theta:
             return full
@@ -265,13 +293,13 @@ class Llama(nnx.Module):
 def flops_per_token(cfg: LlamaConfig, n_params: int, seq_len: int, per_weight: int = 6) -> float:
     """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4; `per_weight`=4
     for frozen weights, which get no gradient of their own), plus
-    attention scores and values, 12 * n_heads * head_dim per key a query sees, counted causally
+    attention scores and values, 6 * n_heads * (query-key + value head dims) per key a query sees, counted causally
     (PaLM appendix B counts all seq_len keys; a causal query sees (seq_len + 1) / 2 on average, as
     MaxText counts), a sliding layer's at most its window. The embedding lookup is free unless
     tied to the head."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     keys = [causal_keys(seq_len, w) for w in cfg.layer_windows() or [0] * cfg.n_layers]
-    return per_weight * matmul_params + 12 * cfg.n_heads * cfg.head_size * sum(keys)
+    return per_weight * matmul_params + 6 * cfg.n_heads * cfg.attention_dims * sum(keys)
 
 
 def causal_keys(t: int, window: int = 0) -> float:
@@ -282,5 +310,6 @@ def causal_keys(t: int, window: int = 0) -> float:
 
 # The embedded tiny job's layer sizes: --use-small-model makes any Llama recipe this small.
 DEBUG = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384}
+DEBUG |= {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}  # latent attention's
 
 FAMILY = Family("llama", LlamaConfig, Llama, flops_per_token, LanguageTask, DEBUG, pipelined=True)

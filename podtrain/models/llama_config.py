@@ -3,6 +3,7 @@ Hugging Face families it computes (biases, q/k norms, sliding windows, soft-caps
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,11 @@ class LlamaConfig(LanguageModelConfig):
         0.0, "yarn: cos and sin are scaled by this; 0: 0.1 ln(rope_factor) + 1, as YaRN's paper", ">= 0"
     )
     rope_truncate: bool = key(True, "yarn: the ramp's ends rounded to whole dimensions (as transformers)")
+    rope_mscale_all_dim: float = key(
+        0.0,
+        "yarn with attention_kind=mla: scores times (0.1 x this x ln(rope_factor) + 1)^2 (DeepSeek); 0: not",
+        ">= 0",
+    )
     head_dim: int = key(0, "width of each attention head; 0: d_model / n_heads", ">= 0")
     attention_bias: Literal["none", "qkv", "all"] = key(
         "none", "biases of the attention projections: none, on q/k/v (Qwen2), or on q/k/v and the output"
@@ -64,6 +70,18 @@ class LlamaConfig(LanguageModelConfig):
         "with mesh.context > 1: all_gather: every shard's keys and values gathered per layer; ring: passed "
         "round a ring of the context shards, one shard's at a time (less memory, more steps)",
     )
+    attention_kind: Literal["gqa", "mla"] = key(
+        "gqa",
+        "gqa: grouped-query attention of n_heads / n_kv_heads heads of head_dim; mla: DeepSeek's multi-head latent "
+        "attention (the q_lora_rank ... rope_interleave keys; n_kv_heads and head_dim unused), whose decode cache "
+        "keeps kv_lora_rank + qk_rope_head_dim values a position per layer",
+    )
+    q_lora_rank: int = key(0, "mla: queries through a rank of this (DeepSeek-V3: 1536); 0: one projection", ">= 0")
+    kv_lora_rank: int = key(512, "mla: width of the latent each position's keys and values come from", ">= 1")
+    qk_nope_head_dim: int = key(128, "mla: each query and key head's dimensions without rotation", ">= 1")
+    qk_rope_head_dim: int = key(64, "mla: each query head's rotated dimensions, and the one rotated key's", ">= 2")
+    v_head_dim: int = key(128, "mla: width of each value head", ">= 1")
+    rope_interleave: bool = key(True, "mla: the rotary pairs are interleaved (x0, x1), (x2, x3)... (DeepSeek-V3)")
     hf_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] = key(
         "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
     )
@@ -71,6 +89,26 @@ class LlamaConfig(LanguageModelConfig):
     @property
     def head_size(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """Each query's rotated dimensions (as transformers rounds a partial rotary fraction)."""
+        return self.qk_rope_head_dim if self.attention_kind == "mla" else int(self.head_size * self.rotary_fraction)
+
+    @property
+    def latent_scale(self) -> float:
+        """Latent attention's score scale: (nope + rope)^-0.5, times YaRN's mscale squared (DeepSeek's)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.rope_scaling != "yarn" or not self.rope_mscale_all_dim or self.rope_factor <= 1:
+            return scale
+        return scale * (0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1) ** 2
+
+    @property
+    def attention_dims(self) -> int:
+        """A head's query-key and value dimensions together: its FLOPs per key a query sees / 2."""
+        if self.attention_kind == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return 2 * self.head_size
 
     def layer_windows(self) -> list[int] | None:
         """Each layer's sliding window (0: it sees every earlier position), or None if none slides."""
@@ -95,8 +133,31 @@ class LlamaConfig(LanguageModelConfig):
                 f"model.full_attention_layers names layers {bad}, outside 0..{self.n_layers - 1} (model.n_layers="
                 f"{self.n_layers}); list layers of the model."
             )
+        if self.attention_kind == "mla":
+            self._validate_latent()
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}; "
                 "grouped-query attention shares each kv head by a whole number of query heads."
+            )
+
+    def _validate_latent(self) -> None:
+        """Latent attention's rotary key is whole pairs, and it has none of grouped-query attention's options."""
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim}: RoPE rotates pairs; give an even number."
+            )
+        lacks = {
+            "attention_bias": "none",
+            "qk_norm": False,
+            "sliding_window": 0,
+            "rotary_fraction": 1.0,
+            "rope_local_theta": 0.0,
+            "query_pre_attn_scalar": 0,
+            "attn_softcap": 0.0,
+        }
+        if not_off := [f"model.{k}={getattr(self, k)}" for k, off in lacks.items() if getattr(self, k) != off]:
+            raise ConfigError(
+                f"model.attention_kind=mla has no {', '.join(not_off)}; leave them at their defaults, or use "
+                "model.attention_kind=gqa."
             )

@@ -30,7 +30,8 @@ class MoeConfig(llama.LlamaConfig):
     first_dense_layers: int = key(0, "layers (from the bottom) with a dense MLP of d_ff instead of experts", ">= 0")
     router: Literal["softmax", "sigmoid"] = key(
         "softmax",
-        "softmax: over all experts, then the top k (Mixtral, Qwen3-MoE); sigmoid: a score per expert (DeepSeek-V3)",
+        "softmax: over all experts, then the top k (Mixtral, Qwen3-MoE); sigmoid: a score per expert, chosen with a "
+        "selection-only bias per expert (DeepSeek-V3's e_score_correction_bias) that router_bias_update_rate moves",
     )
     router_renormalize: bool = key(True, "the k chosen experts' weights divided by their sum (norm_topk_prob)")
     router_groups: int = key(1, "experts fall into this many equal groups (DeepSeek-V3's n_group)", ">= 1")
@@ -48,7 +49,7 @@ class MoeConfig(llama.LlamaConfig):
         0.0,
         "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the choice only, "
         "moved after each step by this toward balance (+rate for experts given fewer copies than the mean, -rate "
-        "for more); 0: no bias",
+        "for more); 0: the bias stays as it is (a sigmoid router's; a softmax router then has none)",
         ">= 0",
     )
     capacity_factor: float = key(
@@ -62,7 +63,7 @@ class MoeConfig(llama.LlamaConfig):
         "the experts' grouped matmuls: ragged_dot (XLA's jax.lax.ragged_dot), megablox (the Pallas TPU kernel, "
         "which visits only the rows a device's experts were given); auto: megablox on TPU, else ragged_dot",
     )
-    hf_type: Literal["mixtral", "qwen3_moe"] = key(
+    hf_type: Literal["mixtral", "qwen3_moe", "deepseek_v3"] = key(
         "mixtral", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
     )
 
@@ -124,7 +125,7 @@ class MoeBlock(llama.Block):
             capacity_factor=cfg.capacity_factor,
             shared=cfg.shared_experts,
             kernel=cfg.expert_kernel,
-            bias=cfg.router_bias_update_rate > 0,
+            bias=cfg.router_bias_update_rate > 0 or cfg.router == "sigmoid",
         )
 
     def __call__(self, x: jax.Array, rope, segments, positions, window=None) -> tuple[jax.Array, dict]:

@@ -67,6 +67,12 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     table, elsewhere = tensor_layout(hf)
     params = read_params(folder, fns.abstract_params, table, source, elsewhere)
     seconds = time.perf_counter() - start
+    if rt.is_main and hf.get("num_nextn_predict_layers"):
+        print(
+            f"[podtrain] {source}: num_nextn_predict_layers={hf['num_nextn_predict_layers']} (DeepSeek's multi-token "
+            "prediction) is ignored: podtrain, as transformers, predicts the next token only, and imports no "
+            "tensors of those layers."
+        )
     if rt.is_main:  # `auto` precision kept: resolved on the machine that trains
         Run.of(cfg).keep(cfg, load_tokenizer(str(folder)) if has_tokenizer else None)
         if has_tokenizer and (generation := _generation(folder, hf)):

@@ -44,6 +44,12 @@ def weights_adapted(cfg: Config) -> set[str]:
             f"train.lora.targets={list(targets)}: {', '.join(unknown) or 'none given'} is not a projection LoRA "
             f"adapts; name some of {', '.join(PROJECTIONS.values())}."
         )
+    attention = sorted(t for t in targets if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    if attention and getattr(cfg.model, "attention_kind", "gqa") == "mla":
+        raise ConfigError(
+            f"train.lora.targets has {', '.join(attention)}, and model.attention_kind=mla's latent attention takes "
+            "no adapters; adapt the dense MLPs (gate_proj, up_proj, down_proj) alone, or train the whole model."
+        )
     return {weight for weight, projection in PROJECTIONS.items() if projection in targets}
 
 

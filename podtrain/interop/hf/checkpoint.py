@@ -42,6 +42,9 @@ IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomput
 # Entries that share a name and number their `part` are one fused tensor (Phi-3's qkv_proj), their
 # rows one after another in that order.
 FLAT, AS_IS = 0, None
+# The model's stacks of layers, bottom first (an MoE's dense layers, then its expert layers): a
+# checkpoint numbers its layers {i} through them all.
+STACKS = ("dense_layers", "layers")
 
 
 def hf_folder(source: str) -> Path:
@@ -154,9 +157,22 @@ def _indices(table: dict, path: str, shape: tuple[int, ...]) -> list[tuple[int, 
     return list(np.ndindex(shape[: _lead(table, path)]))
 
 
-def _names(table: dict, path: str, shape: tuple[int, ...]) -> list[str]:
-    """The names of a podtrain array's tensors, in `_indices` order."""
-    return [table[path][0].format(**dict(zip("ie", index))) for index in _indices(table, path, shape)]
+def _names(table: dict, path: str, shape: tuple[int, ...], first: dict[str, int]) -> list[str]:
+    """The names of a podtrain array's tensors, in `_indices` order; `first`: each stack's first layer."""
+    below = first.get(path.split("/")[0], 0)
+    return [
+        table[path][0].format(**dict(zip("ie", (index[0] + below, *index[1:]) if index else index)))
+        for index in _indices(table, path, shape)
+    ]
+
+
+def _first_layers(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The checkpoint's number of each stack's first layer, from the params' paths and shapes."""
+    first, below = {}, 0
+    for stack in STACKS:
+        first[stack] = below
+        below += next((shape[0] for path, shape in shapes.items() if path.startswith(stack + "/")), 0)
+    return first
 
 
 def read_params(folder: Path, abstract_params, table: dict, where: str, elsewhere: tuple[str, ...] = ()):
@@ -175,7 +191,8 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
             )
         shapes = {path: leaf.shape for path, (_, leaf) in zip(paths, leaves)}
         rows = _rows(table, {path: _one(table, path, shape) for path, shape in shapes.items()})
-        wanted = {name for p in paths for name in _names(table, p, shapes[p])}
+        first = _first_layers(shapes)
+        wanted = {name for p in paths for name in _names(table, p, shapes[p], first)}
         missing = sorted(wanted - set(tensors.where), key=len)
         tied_copy = {table["head"][0]} if "head" not in paths else set()  # some tied exports keep a copy
         extra = sorted(
@@ -192,7 +209,7 @@ def read_params(folder: Path, abstract_params, table: dict, where: str, elsewher
             raise CheckpointError(f"{where} does not hold the tensors of this model config: {listing}.")
         arrays = []
         for path, (_, leaf) in zip(paths, leaves):
-            in_axes, names, lead = table[path][1], _names(table, path, leaf.shape), _lead(table, path)
+            in_axes, names, lead = table[path][1], _names(table, path, leaf.shape, first), _lead(table, path)
             one = (
                 jax.ShapeDtypeStruct(
                     _one(table, path, leaf.shape),
@@ -249,6 +266,7 @@ def write_params(params, out: Path, table: dict, dtype: str, stem: str = "model"
     np_dtype = np.dtype(jnp.dtype(dtype))
     flat = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     rows = _rows(table, {path: _one(table, path, x.shape) for path, x in flat.items()})
+    first = _first_layers({path: x.shape for path, x in flat.items()})
     fused = {}  # the parts of each fused tensor, in their order
     for path in sorted(rows, key=lambda p: rows[p][0]):
         fused.setdefault(table[path][0], []).append(path)
@@ -268,7 +286,7 @@ def write_params(params, out: Path, table: dict, dtype: str, stem: str = "model"
                 continue  # written with the first part of its tensor
             shape = _hf_shape(_one(table, path, x.shape), table[path][1])
             shape = (rows[path][2], *shape[1:]) if path in rows else shape
-            for index, name in zip(_indices(table, path, x.shape), _names(table, path, x.shape)):
+            for index, name in zip(_indices(table, path, x.shape), _names(table, path, x.shape, first)):
 
                 def make(index=index, parts=parts):
                     return np.ascontiguousarray(np.concatenate([piece(p, index) for p in parts]).astype(np_dtype))

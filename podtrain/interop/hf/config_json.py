@@ -29,14 +29,18 @@ ROPE_SCALINGS = {
         "rope_beta_slow": "beta_slow",
         "rope_truncate": "truncate",
         "rope_attention_factor": "attention_factor",
+        "rope_mscale_all_dim": "mscale_all_dim",  # DeepSeek's latent attention scales its scores by it
     },
 }
 
 # Model keys that decide the params' shapes or what they compute: a checkpoint loads only into equal ones.
 STRUCTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "head_dim")
 STRUCTURE_KEYS += tuple(DECODER_DEFAULTS)
-# An MoE's: its experts, how many a token takes and how their weights are normalised.
-EXPERT_KEYS = ("experts", "experts_per_token", "expert_d_ff", "router_renormalize")
+# An MoE's: its experts, how many a token takes and how their weights are normalised; latent attention's sizes.
+MAPPED_KEYS = ("experts", "experts_per_token", "expert_d_ff", "router_renormalize", "shared_experts")
+MAPPED_KEYS += ("first_dense_layers", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+MAPPED_KEYS += ("v_head_dim", "rope_interleave")
+NULL = {"q_lora_rank": 0}  # model keys whose value here is config.json's null (DeepSeek: no query rank)
 # The routing options of podtrain's MoE a Hugging Face MoE family computes only at these values.
 ROUTING_DEFAULTS = {
     "router": "softmax",
@@ -123,6 +127,7 @@ def _yarn(hf: dict, params: dict) -> dict:
         "rope_beta_slow": float(params.get("beta_slow") or 1),
         "rope_attention_factor": float(attention or 0.0),
         "rope_truncate": bool(params.get("truncate", True)),
+        "rope_mscale_all_dim": float(mscale_all_dim or 0.0),
     }
 
 
@@ -173,7 +178,7 @@ def model_keys(hf: dict, where: str) -> dict:
         **{option: read[option] for option in family.free},
         **rope,
         **_windows(hf, family, hf["num_hidden_layers"]),
-        **(_experts(hf) if family.experts else {}),
+        **_mapped(hf, family, where),
     }
     return keys
 
@@ -201,16 +206,17 @@ def _refuse_other_values(hf: dict, family: HfFamily, where: str) -> None:
             )
 
 
-def _experts(hf: dict) -> dict:
-    """An MoE's keys, from an MoE family's config.json (transformers 5 writes num_local_experts for
-    Qwen3-MoE too, where the Hub's files say num_experts)."""
-    return {
-        "experts": hf.get("num_local_experts") or hf["num_experts"],
-        "experts_per_token": hf["num_experts_per_tok"],
-        "expert_d_ff": hf.get("moe_intermediate_size") or hf["intermediate_size"],
-        "router_renormalize": bool(hf.get("norm_topk_prob", True)),  # Mixtral always renormalises
-        "router_aux_loss_coef": float(hf["router_aux_loss_coef"]),
-    }
+def _mapped(hf: dict, family: HfFamily, where: str) -> dict:
+    """The model keys `family` keeps in config.json fields as they are (an MoE's experts, latent
+    attention's sizes), from the first of each key's fields that the file has."""
+    keys = {}
+    for ours, theirs in family.mapped.items():
+        names = theirs if isinstance(theirs, tuple) else (theirs,)
+        if not (present := [name for name in names if name in hf]):
+            raise ConfigError(f"{where}: config.json has no {' or '.join(names)}; a {family.model_type} needs it.")
+        value = hf[present[0]]
+        keys[ours] = NULL[ours] if value is None and ours in NULL else value
+    return keys
 
 
 def _misfits(family: HfFamily, model) -> list[str]:
@@ -228,10 +234,13 @@ def _misfits(family: HfFamily, model) -> list[str]:
         found.append("sliding windows on some layers only")
     if family.model_name != model.name:
         found.append(f"model.name={model.name}")
-    elif family.experts:
-        found += [f"model.{k}={getattr(model, k)}" for k, v in ROUTING_DEFAULTS.items() if getattr(model, k) != v]
-        if not model.router_renormalize and "norm_topk_prob" not in family.fields:
-            found.append("model.router_renormalize=false")
+    elif family.experts:  # a routing option the family neither maps nor computes at the model's value
+        computed = {**ROUTING_DEFAULTS, "router_renormalize": True, **family.options}
+        biased = "layers/mlp/router_bias" in family.tensors  # a bias the router's update moves has a place
+        for k in [*ROUTING_DEFAULTS, "router_renormalize"]:
+            free = k in family.mapped or (k == "router_bias_update_rate" and biased)
+            if not free and getattr(model, k) != computed[k]:
+                found.append(f"model.{k}={str(getattr(model, k)).lower()}")
     return found
 
 
@@ -259,7 +268,7 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
         "hidden_size": model.d_model,
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
-        "num_key_value_heads": model.n_kv_heads,
+        "num_key_value_heads": model.n_heads if model.attention_kind == "mla" else model.n_kv_heads,
         "head_dim": model.head_size,
         "intermediate_size": model.d_ff,
         "rms_norm_eps": model.norm_eps,
@@ -273,7 +282,7 @@ def hf_config(model, token_ids: dict, dtype: str) -> dict:
         "torch_dtype": dtype,
         family.activation[0]: family.activation[1],
     }
-    return config | _options_out(family, model) | _experts_out(family, model) | _windows_out(family, model)
+    return config | _options_out(family, model) | _mapped_out(family, model) | _windows_out(family, model)
 
 
 def _rope_scaling(model) -> dict | None:
@@ -281,8 +290,9 @@ def _rope_scaling(model) -> dict | None:
     if model.rope_scaling == "none":
         return None
     fields = {theirs: getattr(model, ours) for ours, theirs in ROPE_SCALINGS[model.rope_scaling].items()}
-    if fields.get("attention_factor") == 0:  # YaRN's default: a file says so by leaving it out
-        del fields["attention_factor"]
+    for name in ("attention_factor", "mscale_all_dim"):  # at their defaults, a file leaves them out
+        if fields.get(name) == 0:
+            del fields[name]
     return {"rope_type": model.rope_scaling, **fields}
 
 
@@ -306,23 +316,15 @@ def _options_out(family: HfFamily, model) -> dict:
     return config
 
 
-def _experts_out(family: HfFamily, model) -> dict:
-    """An MoE family's expert fields."""
-    if not family.experts:
-        return {}
-    config = {"num_experts_per_tok": model.experts_per_token, "router_aux_loss_coef": model.router_aux_loss_coef}
-    if "moe_intermediate_size" in family.fields:  # Qwen3-MoE: intermediate_size is a dense layer's
-        return config | {
-            "num_experts": model.experts,
-            "moe_intermediate_size": model.expert_width,
-            "norm_topk_prob": model.router_renormalize,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    return config | {
-        "num_local_experts": model.experts,
-        "intermediate_size": model.expert_width,
-    }  # Mixtral: each expert's
+def _mapped_out(family: HfFamily, model) -> dict:
+    """The fields of the model keys `family` maps, and those it writes at fixed values."""
+    config = dict(family.written)
+    for ours, theirs in family.mapped.items():
+        value = getattr(model, "expert_width" if ours == "expert_d_ff" else ours)  # expert_d_ff 0: d_ff
+        if ours in NULL and value == NULL[ours]:
+            value = None
+        config[theirs[-1] if isinstance(theirs, tuple) else theirs] = value
+    return config
 
 
 def _windows_out(family: HfFamily, model) -> dict:
@@ -342,6 +344,6 @@ def shape_differences(keys: dict, model) -> list[str]:
     """The structure keys in which an HF config's keys and a podtrain model config differ."""
     return [
         f"model.{k} ({keys[k]} there, {getattr(model, k)} here)"
-        for k in STRUCTURE_KEYS + EXPERT_KEYS
+        for k in STRUCTURE_KEYS + MAPPED_KEYS
         if k in keys and keys[k] != getattr(model, k) and not (k == "head_dim" and keys[k] == model.head_size)
     ]

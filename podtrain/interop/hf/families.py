@@ -10,62 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from podtrain.errors import ConfigError
-from podtrain.interop.hf.checkpoint import AS_IS, FLAT
-
-# podtrain parameter -> (Hugging Face tensor, how it is stored: checkpoint.py). {i} is the layer;
-# a parameter the model does not have (a bias, a q/k norm) is simply not read or written.
-LLAMA_TENSORS = {
-    "embed": ("model.embed_tokens.weight", AS_IS),
-    "head": ("lm_head.weight", 1),
-    "norm/scale": ("model.norm.weight", FLAT),
-    "layers/attn/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
-    "layers/attn/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
-    "layers/attn/wv": ("model.layers.{i}.self_attn.v_proj.weight", 1),
-    "layers/attn/wo": ("model.layers.{i}.self_attn.o_proj.weight", 2),
-    "layers/attn/bq": ("model.layers.{i}.self_attn.q_proj.bias", FLAT),
-    "layers/attn/bk": ("model.layers.{i}.self_attn.k_proj.bias", FLAT),
-    "layers/attn/bv": ("model.layers.{i}.self_attn.v_proj.bias", FLAT),
-    "layers/attn/bo": ("model.layers.{i}.self_attn.o_proj.bias", FLAT),
-    "layers/attn/q_norm/scale": ("model.layers.{i}.self_attn.q_norm.weight", FLAT),
-    "layers/attn/k_norm/scale": ("model.layers.{i}.self_attn.k_norm.weight", FLAT),
-    "layers/attn_norm/scale": ("model.layers.{i}.input_layernorm.weight", FLAT),
-    "layers/mlp/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", 1),
-    "layers/mlp/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
-    "layers/mlp/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
-    "layers/mlp_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", FLAT),
-}
-
-GEMMA_TENSORS = {  # Gemma's four norms a layer: its post_attention_layernorm is the attention output's
-    **{k: v for k, v in LLAMA_TENSORS.items() if k != "layers/mlp_norm/scale"},
-    "layers/attn_post_norm/scale": ("model.layers.{i}.post_attention_layernorm.weight", FLAT),
-    "layers/mlp_norm/scale": ("model.layers.{i}.pre_feedforward_layernorm.weight", FLAT),
-    "layers/mlp_post_norm/scale": ("model.layers.{i}.post_feedforward_layernorm.weight", FLAT),
-}
-
-PHI3_TENSORS = {  # q, k and v fused in qkv_proj; gate and up in gate_up_proj (gate first)
-    **LLAMA_TENSORS,
-    "layers/attn/wq": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 0),
-    "layers/attn/wk": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 1),
-    "layers/attn/wv": ("model.layers.{i}.self_attn.qkv_proj.weight", 1, 2),
-    "layers/mlp/w_gate": ("model.layers.{i}.mlp.gate_up_proj.weight", 1, 0),
-    "layers/mlp/w_up": ("model.layers.{i}.mlp.gate_up_proj.weight", 1, 1),
-}
-
-DENSE_MLP = ("layers/mlp/w_gate", "layers/mlp/w_up", "layers/mlp/w_down")
-MIXTRAL_TENSORS = {  # the Hub's files keep each expert's weights apart
-    **{k: v for k, v in LLAMA_TENSORS.items() if k not in DENSE_MLP},
-    "layers/mlp/router": ("model.layers.{i}.block_sparse_moe.gate.weight", 1),
-    "layers/mlp/w_gate": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", 1),
-    "layers/mlp/w_up": ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", 1),
-    "layers/mlp/w_down": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", 1),
-}
-QWEN3_MOE_TENSORS = {
-    **{k: v for k, v in LLAMA_TENSORS.items() if k not in DENSE_MLP},
-    "layers/mlp/router": ("model.layers.{i}.mlp.gate.weight", 1),
-    "layers/mlp/w_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", 1),
-    "layers/mlp/w_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", 1),
-    "layers/mlp/w_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", 1),
-}
+from podtrain.interop.hf.tensors import (
+    DEEPSEEK_V3_TENSORS,
+    GEMMA_TENSORS,
+    LLAMA_TENSORS,
+    MIXTRAL_TENSORS,
+    PHI3_TENSORS,
+    QWEN3_MOE_TENSORS,
+)
 
 # Fields that do not change what the model computes from tokens.
 INERT = {
@@ -114,6 +66,7 @@ DECODER_DEFAULTS = {
     "final_softcap": 0.0,
     "rope_local_theta": 0.0,
     "rotary_fraction": 1.0,
+    "attention_kind": "gqa",
 }
 
 
@@ -128,8 +81,11 @@ class HfFamily:
     defaults: dict  # transformers' values of fields a config.json may leave out
     activation: tuple[str, str] = ("hidden_act", "silu")  # the field naming the MLP's activation, its value
     tensors: dict = field(default_factory=lambda: LLAMA_TENSORS)
-    experts: bool = False  # a mixture of experts (model.name=moe): config_json.EXPERT_FIELDS say how many
+    experts: bool = False  # a mixture of experts (model.name=moe)
     known_as: str = ""  # the checkpoints' names on the Hub
+    # model key -> the config.json field holding it as it is (a tuple: the first present is read, the last written)
+    mapped: dict = field(default_factory=dict)
+    written: dict = field(default_factory=dict)  # fields an export writes at these values
 
     @property
     def model_name(self) -> str:
@@ -155,6 +111,26 @@ GEMMA_OPTIONS = {"norm_plus_one": True, "scale_embedding": True, "post_norms": T
 GEMMA_FREE = {**BIAS, "query_pre_attn_scalar": None, "attn_softcap": None, "final_softcap": None}
 GEMMA_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True}
 GELU = ("hidden_activation", "gelu_pytorch_tanh")
+EXPERTS = {"experts_per_token": "num_experts_per_tok", "router_aux_loss_coef": "router_aux_loss_coef"}
+DEEPSEEK_V3 = {  # transformers' DeepseekV3Config
+    "experts": "n_routed_experts",
+    "expert_d_ff": "moe_intermediate_size",
+    "router_renormalize": "norm_topk_prob",
+    "router_groups": "n_group",
+    "router_topk_groups": "topk_group",
+    "routed_scale": "routed_scaling_factor",
+    "shared_experts": "n_shared_experts",
+    "first_dense_layers": "first_k_dense_replace",
+    **{k: k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+    "rope_interleave": "rope_interleave",
+    "experts_per_token": "num_experts_per_tok",
+}
+DEEPSEEK_V3_DEFAULTS = {
+    **{"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "norm_topk_prob": True},
+    **{"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "first_k_dense_replace": 3},
+    **{"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128},
+    **{"rope_interleave": True, "num_nextn_predict_layers": 1},
+}
 
 FAMILIES = {
     f.model_type: f
@@ -238,6 +214,8 @@ FAMILIES = {
             tensors=MIXTRAL_TENSORS,
             experts=True,
             known_as="Mixtral",
+            # each expert's width is intermediate_size; Mixtral always renormalises
+            mapped={**EXPERTS, "experts": "num_local_experts", "expert_d_ff": "intermediate_size"},
         ),
         HfFamily(
             "qwen3_moe",
@@ -259,6 +237,29 @@ FAMILIES = {
             tensors=QWEN3_MOE_TENSORS,
             experts=True,
             known_as="Qwen3-MoE",
+            mapped={  # transformers 5 writes num_local_experts too, where the Hub's files say num_experts
+                **EXPERTS,
+                "experts": ("num_local_experts", "num_experts"),
+                "expert_d_ff": "moe_intermediate_size",
+                "router_renormalize": "norm_topk_prob",
+            },
+            written={"decoder_sparse_step": 1, "mlp_only_layers": []},
+        ),
+        HfFamily(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            # head_dim and qk_head_dim are transformers' own sums of the head sizes; the multi-token
+            # prediction layers (num_nextn_predict_layers) are not computed, as in transformers
+            frozenset(DEEPSEEK_V3.values()) | {"attention_bias", "head_dim", "qk_head_dim", "num_nextn_predict_layers"},
+            {"attention_kind": "mla", "router": "sigmoid"},
+            BIAS,
+            "none",
+            DEEPSEEK_V3_DEFAULTS,
+            tensors=DEEPSEEK_V3_TENSORS,
+            experts=True,
+            known_as="DeepSeek-V3, DeepSeek-V2-Lite's shape",
+            mapped=DEEPSEEK_V3,
+            written={"num_nextn_predict_layers": 0},
         ),
         HfFamily(
             "phi3",
@@ -306,8 +307,9 @@ def text_config(hf: dict, where: str) -> dict:
 def tensor_layout(hf: dict) -> tuple[dict, tuple[str, ...]]:
     """(podtrain param -> (tensor name, storage), prefixes of tensors that are not the language model's)
     of a checkpoint with this config.json."""
-    if hf.get("model_type") not in MULTIMODAL:
-        return family_of(hf, "").tensors, ()
+    if hf.get("model_type") not in MULTIMODAL:  # past the last layer: DeepSeek-V3's multi-token prediction, unread
+        layers, extra = hf.get("num_hidden_layers", 0), hf.get("num_nextn_predict_layers") or 0
+        return family_of(hf, "").tensors, tuple(f"model.layers.{layers + j}." for j in range(extra))
     layout = MULTIMODAL[hf["model_type"]]
     table = family_of(text_config(hf, ""), "").tensors
 

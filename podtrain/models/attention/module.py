@@ -173,17 +173,28 @@ class Attention(nnx.Module):
         length when every layer slides. The first `valid` of x (default all; the rest padding)
         are written into it, the latest of them when they are more than its slots."""
         q, k, v = self.project(x_BTD, rope, share_kv=False)
-        n, slots = x_BTD.shape[1], cache[0].shape[1]
-        valid = n if valid is None else valid
-        queries = start + jnp.arange(n)
-        # What each slot holds: the latest position before `start` that maps to it (negative: none yet).
-        held = start - 1 - (start - 1 - jnp.arange(slots)) % slots
-        places = jnp.concatenate([jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max), queries])
+        queries, places = ring_places(start, x_BTD.shape[1], cache[0].shape[1])
         keys, values = (jnp.concatenate([c, new.astype(c.dtype)], axis=1) for c, new in zip(cache, (k, v)))
         out = grouped_attention(
             q, keys, values, True, self.scale, self.softcap, window=window, q_index=queries, k_index=places
         )
-        written = (jnp.arange(n) < valid) & (jnp.arange(n) >= valid - slots)
-        to = jnp.where(written, queries % slots, slots)  # out of range: dropped
-        cache = tuple(c.at[:, to].set(new.astype(c.dtype), mode="drop") for c, new in zip(cache, (k, v)))
-        return self.output(out), cache
+        return self.output(out), tuple(ring_write(c, new, queries, valid) for c, new in zip(cache, (k, v)))
+
+
+def ring_places(start: jax.Array, n: int, slots: int) -> tuple[jax.Array, jax.Array]:
+    """(the positions of n new tokens from `start`, the position each key then holds): a ring
+    cache of `slots` (position p in slot p % slots) followed by the new tokens."""
+    queries = start + jnp.arange(n)
+    # What each slot holds: the latest position before `start` that maps to it (negative: none yet).
+    held = start - 1 - (start - 1 - jnp.arange(slots)) % slots
+    return queries, jnp.concatenate([jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max), queries])
+
+
+def ring_write(cache: jax.Array, new: jax.Array, queries: jax.Array, valid=None) -> jax.Array:
+    """A ring cache (batch, slots, ...) with the first `valid` (default all) of `new` (batch, n, ...)
+    at `queries` written in, the latest of them when they are more than its slots."""
+    n, slots = new.shape[1], cache.shape[1]
+    valid = n if valid is None else valid
+    written = (jnp.arange(n) < valid) & (jnp.arange(n) >= valid - slots)
+    to = jnp.where(written, queries % slots, slots)  # out of range: dropped
+    return cache.at[:, to].set(new.astype(cache.dtype), mode="drop")

@@ -43,14 +43,15 @@ def grouped_attention(
     sequence (`q_index` (T,) or (batch, T) and `k_index`: places, default 0, 1, ...); within a
     sliding `window` of the latest places, itself included (0: all); and with `segments` (q's
     (batch, T), k's (batch, S)) only keys of its own segment (packed documents). A `softcap` c
-    bounds the scores to (-c, c) as c tanh(s / c), before the mask (Gemma 2)."""
+    bounds the scores to (-c, c) as c tanh(s / c), before the mask (Gemma 2). v's heads may be wider
+    or narrower than q's and k's (latent attention's): the output takes v's."""
     b, t, n, h = q_BTNH.shape
     s, kv = k_BSKH.shape[1:3]
     # Scaled before the product: T x H, not T x S, multiplies.
     q = q_BTNH.reshape(b, t, kv, n // kv, h) * jnp.asarray(scale or h**-0.5, q_BTNH.dtype)
     blocks = causal_blocks(t) if causal and t == s and q_index is None and k_index is None else 1
     places = (jnp.arange(t) if q_index is None else q_index, jnp.arange(s) if k_index is None else k_index)
-    return _attend(q, k_BSKH, v_BSKH, (places, segments, window), blocks, softcap, causal).reshape(b, t, n, h)
+    return _attend(q, k_BSKH, v_BSKH, (places, segments, window), blocks, softcap, causal).reshape(b, t, n, -1)
 
 
 def visible(sight, lo: int, hi: int, end: int, causal: bool) -> jax.Array:
