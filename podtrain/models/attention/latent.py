@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from podtrain.models import ops
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.module import ring_places, ring_write
 from podtrain.models.attention.xla import grouped_attention
@@ -81,22 +82,22 @@ class LatentAttention(nnx.Module):
     def queries(self, x_BTD: jax.Array, rope) -> tuple[jax.Array, jax.Array]:
         """(q_nope (B, T, H, nope), rotated q_rope (B, T, H, rope))."""
         if hasattr(self, "wq"):
-            q = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(self.dtype))
+            q = ops.dot("btd,dnh->btnh", x_BTD, self.wq[...], self.dtype)
         else:
-            low = self.q_a_norm(constrain(x_BTD @ self.wq_a[...].astype(self.dtype), LATENT))
-            q = jnp.einsum("btc,cnh->btnh", low, self.wq_b[...].astype(self.dtype))
+            low = self.q_a_norm(constrain(ops.dot("btd,dc->btc", x_BTD, self.wq_a[...], self.dtype), LATENT))
+            q = ops.dot("btc,cnh->btnh", low, self.wq_b[...], self.dtype)
         q = constrain(q, HEADS)
         return q[..., : self.nope], self.rotate(q[..., self.nope :], rope)
 
     def latent(self, x_BTD: jax.Array, rope) -> jax.Array:
         """(B, T, kv_lora_rank + rope): the normalised latent, then the rotated shared key: what a
         decode cache keeps of each position."""
-        kv = constrain(x_BTD @ self.wkv_a[...].astype(self.dtype), LATENT)
+        kv = constrain(ops.dot("btd,dc->btc", x_BTD, self.wkv_a[...], self.dtype), LATENT)
         k_rope = self.rotate(kv[:, :, None, self.rank :], rope)[:, :, 0]
         return jnp.concatenate([self.kv_a_norm(kv[..., : self.rank]), k_rope], axis=-1)
 
     def output(self, out_BTNV: jax.Array) -> jax.Array:
-        return constrain(jnp.einsum("btnv,nvd->btd", out_BTNV, self.wo[...].astype(self.dtype)), ACT)
+        return constrain(ops.dot("btnv,nvd->btd", out_BTNV, self.wo[...], self.dtype), ACT)
 
     def __call__(self, x_BTD: jax.Array, rope, segments=None, window=None, positions=None) -> jax.Array:
         """Causal attention of x to itself, within each segment of `segments` (batch, seq) if given;
@@ -104,7 +105,7 @@ class LatentAttention(nnx.Module):
         a split sequence, is not needed: latent attention refuses one)."""
         q_nope, q_rope = self.queries(x_BTD, rope)
         c = self.latent(x_BTD, rope)
-        kv = constrain(jnp.einsum("btc,cnh->btnh", c[..., : self.rank], self.wkv_b[...].astype(self.dtype)), HEADS)
+        kv = constrain(ops.dot("btc,cnh->btnh", c[..., : self.rank], self.wkv_b[...], self.dtype), HEADS)
         k_rope = jnp.broadcast_to(c[:, :, None, self.rank :], (*kv.shape[:3], c.shape[-1] - self.rank))
         q, k = jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([kv[..., : self.nope], k_rope], axis=-1)
         if self.implementation == "splash":
@@ -120,12 +121,12 @@ class LatentAttention(nnx.Module):
         (latents,) = cache
         q_nope, q_rope = self.queries(x_BTD, rope)
         c = self.latent(x_BTD, rope)
-        w_k, w_v = (w.astype(self.dtype) for w in jnp.split(self.wkv_b[...], [self.nope], axis=-1))
-        q = jnp.concatenate([jnp.einsum("btnh,cnh->btnc", q_nope, w_k), q_rope], axis=-1)
+        w_k, w_v = jnp.split(self.wkv_b[...], [self.nope], axis=-1)
+        q = jnp.concatenate([ops.dot("btnh,cnh->btnc", q_nope, w_k, self.dtype), q_rope], axis=-1)
         queries, places = ring_places(start, x_BTD.shape[1], latents.shape[1])
         keys = jnp.concatenate([latents, c.astype(latents.dtype)], axis=1)[:, :, None]  # (B, S, 1, C)
         out = grouped_attention(
             q, keys, keys[..., : self.rank], True, self.scale, window=window, q_index=queries, k_index=places
         )
-        out = jnp.einsum("btnc,cnv->btnv", out, w_v)
+        out = ops.dot("btnc,cnv->btnv", out, w_v, self.dtype)
         return self.output(out), (ring_write(latents, c, queries, valid),)
