@@ -14,12 +14,11 @@ from podtrain.models import MODELS
 from podtrain.planning import gpus
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.job import build
-from podtrain.train.tasks.language import LanguageTask
 
 from compile_flags import TEST_COMPILES
 
 FAMILIES = tuple(MODELS)
-LANGUAGE_FAMILIES = tuple(name for name, f in MODELS.items() if f.task is LanguageTask)
+LANGUAGE_FAMILIES = tuple(name for name, f in MODELS.items() if f.task == "language")
 
 # A model small enough for 2 CPU cores, with grouped-query attention (n_kv_heads < n_heads).
 SMALL = [

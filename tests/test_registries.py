@@ -4,6 +4,8 @@ shows up in every place derived from it, and the few lists the layering keeps by
 config's `hf_type` choices, the mesh config's keys) must equal their registry's."""
 
 import dataclasses
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -23,6 +25,7 @@ from podtrain.runtime.chips import CHIPS
 from podtrain.runtime.mesh import DCN_AXES
 from podtrain.sharding import AXES, PLAIN_AXES
 from podtrain.tools import config_docs
+from podtrain.train.tasks.registry import TASKS, task_of
 
 
 @pytest.fixture
@@ -52,7 +55,7 @@ def test_the_docs_name_every_family_by_its_task():
     page = config_docs.configuration_page()
     for name, family in MODELS.items():
         assert f"`{name}`" in page.split("## Top-level keys")[0], name
-        assert family.task.data_sources
+        assert task_of(family).data_sources
 
 
 def test_hf_types_are_the_families_table(monkeypatch):
@@ -109,3 +112,12 @@ def test_targets_are_the_chips_table(monkeypatch):
         targets.target("v9-8")
     found = targets.target("2xv7-16")
     assert (found.chip.name, len(found.devices), found.slices) == ("TPU v7", 16, 2)
+
+
+def test_models_import_nothing_of_training():
+    """A model family is its module and config alone: importing them loads neither the training
+    code nor its data libraries; each record names a registered task."""
+    code = "import sys, podtrain.models; print([m for m in sys.modules if m.startswith(('podtrain.train', 'grain'))])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    assert all(record.task in TASKS for record in MODELS.values())

@@ -30,6 +30,7 @@ from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
 from podtrain.sharding import AXES
+from podtrain.train.tasks.registry import train_config
 
 
 class _Yaml(yaml.SafeLoader):
@@ -54,7 +55,7 @@ def default_config(model: str = "llama") -> Config:
         hint = f" Did you mean {match[0]}?" if match else ""
         raise ConfigError(f"model.name={model!r} is not a known model; choose one of: {', '.join(MODELS)}.{hint}")
     family = MODELS[model]
-    return Config(model=family.config(), train=family.train_config())
+    return Config(model=family.config(), train=train_config(family)())
 
 
 def _read_yaml(path: str | Path) -> dict:

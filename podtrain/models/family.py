@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from podtrain.config.schema import ModelConfig, TrainConfig
+from podtrain.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -17,14 +17,10 @@ class Family:
     module: type  # the Flax NNX module built from that config
     # (config, n_params, positions) -> training FLOPs; a language family's takes per_weight=4 for a frozen base
     flops_per_token: Callable[..., float]
-    task: type  # what it trains on: a podtrain.train.tasks.Task subclass, which names its train keys
+    task: str  # what it trains on: a task's name in podtrain.train.tasks.registry, whose class names its train keys
     debug: dict[str, int]  # the tiny debug flavor: model keys that make any recipe small (--use-small-model)
     # (model config, params, the step's metrics) -> (params, metrics): what the family updates after
     # each optimizer step other than by gradients (an MoE's router bias), taking the metrics it reads
     after_step: Callable[[Any, Any, dict], tuple[Any, dict]] | None = None
     pipelined: bool = False  # its one stack of layers runs over mesh.stage as a pipeline
     stacks: tuple[str, ...] = ("n_layers",)  # the model keys that are a scanned stack's length
-
-    @property
-    def train_config(self) -> type[TrainConfig]:
-        return self.task.train_config

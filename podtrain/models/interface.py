@@ -1,6 +1,6 @@
 """What a language-model family provides: the keys every language model has, and the methods the
 language task (`podtrain.train.tasks.language`) and sampling (`podtrain.train.tasks.sampling`)
-call on its module. A family whose `Family.task` is the language task subclasses the config and
+call on its module. A family whose `Family.task` is "language" subclasses the config and
 implements the protocol; tests/test_model.py checks every registered one.
 
 Shapes: B batch, T positions, D the model's width, V the vocabulary.

@@ -17,7 +17,6 @@ from podtrain.models import llama
 from podtrain.models.experts import RoutedExperts, Routing, balancing_loss
 from podtrain.models.family import Family
 from podtrain.models.layers import stacked
-from podtrain.train.tasks.language import LanguageTask
 
 
 @dataclass
@@ -201,4 +200,4 @@ def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int, per_weight: int
 
 DEBUG = {**llama.DEBUG, "expert_d_ff": 96}
 
-FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, LanguageTask, DEBUG, update_router_bias)
+FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, "language", DEBUG, update_router_bias)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from podtrain.config.schema import MESH_AXIS_ALIASES, Config, ModelConfig, TrainConfig, default_of
 from podtrain.models import MODELS
+from podtrain.train.tasks.registry import task_of, train_config
 
 INTRO = """\
 # Configuration
@@ -170,7 +171,7 @@ def _field_names(cls: type) -> set[str]:
 
 def _families_reading(source: str) -> str:
     """The families whose task trains on `data.source=source`, as `a`, `b`."""
-    return ", ".join(f"`{name}`" for name, family in MODELS.items() if source in family.task.data_sources)
+    return ", ".join(f"`{name}`" for name, family in MODELS.items() if source in task_of(family).data_sources)
 
 
 def _axis_aliases() -> str:
@@ -205,7 +206,7 @@ def _train_section() -> list[str]:
             parts += [f"\n### `train.{f.name}`\n\n{line}\n\n", _table(train_hints[f.name], f"train.{f.name}.")]
     by_task: dict[type, list[str]] = {}
     for name, family in MODELS.items():
-        by_task.setdefault(family.train_config, []).append(name)
+        by_task.setdefault(train_config(family), []).append(name)
     for cls, names in by_task.items():
         own = _field_names(cls) - _field_names(TrainConfig)
         if own:

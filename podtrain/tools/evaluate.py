@@ -40,11 +40,11 @@ from podtrain.models import MODELS, family  # noqa: E402
 from podtrain.sharding import batch_sharding, data_parallel_size, sharded_jit, shardings_of  # noqa: E402
 from podtrain.train.run import Run  # noqa: E402
 from podtrain.train.state import model_fns  # noqa: E402
-from podtrain.train.tasks.puzzles import PuzzleTask, score_puzzles  # noqa: E402
+from podtrain.train.tasks.puzzles import score_puzzles  # noqa: E402
 
 SCORES = ("cell_accuracy", "exact_accuracy", "act_steps", "loss")  # of score_puzzles, logged as test_*
 PLOT, POOLED = "eval_recursion.png", "eval_recursion_pooled.png"
-PUZZLE_MODELS = ", ".join(name for name, f in MODELS.items() if f.task is PuzzleTask)
+PUZZLE_MODELS = ", ".join(name for name, f in MODELS.items() if f.task == "puzzles")
 
 
 @dataclass
@@ -85,7 +85,7 @@ def expand(runs: list[str], seeds: list[int] | None) -> list[str]:
 def open_run(run_dir: str) -> Run:
     """The run, if it trained a puzzle model."""
     run = Run.at(run_dir)
-    if family(run.cfg.model).task is not PuzzleTask:
+    if family(run.cfg.model).task != "puzzles":
         raise ConfigError(
             f"{run_dir} trained model.name={run.cfg.model.name}, a language model; eval takes a run of a puzzle "
             f"model ({PUZZLE_MODELS}). For a language model, val_loss is in its metrics.jsonl."

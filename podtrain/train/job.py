@@ -23,6 +23,7 @@ from podtrain.train.digest import leaf_name
 from podtrain.train.state import TrainSetup, init_state, train_setup
 from podtrain.train.step import make_train_step, mean_over_batches
 from podtrain.train.tasks import Task
+from podtrain.train.tasks.registry import task_of
 
 
 def accumulation(cfg: Config, dp: int) -> int:
@@ -93,14 +94,14 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     grad_accum = accumulation(cfg, data_parallel_size(mesh))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=grad_accum))
     record = family(cfg.model)
-    if data and cfg.data.source not in record.task.data_sources:
-        readers = [name for name, f in MODELS.items() if cfg.data.source in f.task.data_sources]
+    if data and cfg.data.source not in task_of(record).data_sources:
+        readers = [name for name, f in MODELS.items() if cfg.data.source in task_of(f).data_sources]
         raise ConfigError(
             f"data.source={cfg.data.source} is data for model.name={' or '.join(readers)}; model.name="
-            f"{cfg.model.name} reads data.source={' or '.join(record.task.data_sources)}."
+            f"{cfg.model.name} reads data.source={' or '.join(task_of(record).data_sources)}."
         )
     setup, t = train_setup(cfg, mesh), cfg.train
-    task = record.task(cfg, mesh, data)
+    task = task_of(record)(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
     after = family(cfg.model).after_step

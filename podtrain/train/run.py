@@ -29,7 +29,6 @@ from podtrain.runtime.chips import chip_of, device_memory
 from podtrain.train import adapters, lease
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.state import ModelFns, model_fns
-from podtrain.train.tasks.language import LanguageTask
 
 
 def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
@@ -121,8 +120,8 @@ class Run:
 
     def language_model(self) -> tuple[Config, ModelFns, object]:
         """(config, model functions, weights) of the latest checkpoint, for generate and export."""
-        if family(self.cfg.model).task is not LanguageTask:
-            language = [name for name, f in MODELS.items() if f.task is LanguageTask]
+        if family(self.cfg.model).task != "language":
+            language = [name for name, f in MODELS.items() if f.task == "language"]
             raise ConfigError(
                 f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
                 f"take a language model ({', '.join(language)})."
