@@ -8,15 +8,20 @@ import subprocess
 import sys
 import typing
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from podtrain.config import checks
 from podtrain.config.load import default_config, mesh_from_env
-from podtrain.config.schema import MESH_AXIS_ALIASES, MeshConfig
+from podtrain.config.schema import MESH_AXIS_ALIASES, MeshConfig, ModelConfig
 from podtrain.errors import ConfigError
 from podtrain.interop.hf import families as hf_families
 from podtrain.interop.hf.config_json import ROPE_SCALINGS
 from podtrain.interop.hf.families import FAMILIES, family_of
 from podtrain.models import MODELS, llama
+from podtrain.models.attention import kernels
+from podtrain.models.attention.cores import CORES
+from podtrain.models.attention.xla import visible
 from podtrain.models.llama_config import LlamaConfig
 from podtrain.models.moe import MoeConfig
 from podtrain.planning import fit, gpus, targets
@@ -121,3 +126,27 @@ def test_models_import_nothing_of_training():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
     assert all(record.task in TASKS for record in MODELS.values())
+
+
+def test_attention_cores_are_listed_once():
+    """model.attention's choices are the cores' records plus auto, and the configuration page's
+    table shows each record."""
+    choices = typing.get_args(typing.get_type_hints(ModelConfig)["attention"])
+    assert set(choices) == {"auto", *CORES}
+    page = config_docs.configuration_page()
+    assert all(f"| `{name}` |" in page for name in CORES)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_core_sees_by_one_rule(causal):
+    """The splash kernel's static mask and the xla path's O(T) one are the same rule (`sees`),
+    causal or not, a window on either side of a non-causal query."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    t, window = 16, 5
+    order = np.random.default_rng(0).permutation(t)  # queries in any static order, as under context
+    splash = masks._ComputableMask.__getitem__(kernels._sight(masks)((t, t), order, causal, window), np.s_[:, :])
+    sight = ((jnp.asarray(order), jnp.arange(t)), None, window)
+    xla_mask = np.asarray(visible(sight, 0, t, t, causal))[0, 0, :, 0, :]
+    np.testing.assert_array_equal(splash, xla_mask)
+    assert xla_mask.sum(1).max() == (window if causal else 2 * window - 1)

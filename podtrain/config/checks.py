@@ -10,7 +10,7 @@ from podtrain import storage
 from podtrain.config.schema import Config, ranges
 from podtrain.errors import ConfigError, StorageError
 from podtrain.models import MODELS
-from podtrain.models.attention import SPLASH_BLOCK
+from podtrain.models.attention.cores import CORES, preferred
 from podtrain.sharding import microbatches_over
 
 DATA_FOLDERS = {  # what data.path must name for each source that reads one
@@ -105,47 +105,40 @@ def _packed_apart(cfg: Config) -> str:
 
 
 def attention_refusal(cfg: Config, kernel: str) -> str | None:
-    """Why `kernel` cannot compute cfg's attention (block multiples, segments, a split sequence,
-    windows, soft-caps), as the error that says so, or None: the checks and the `auto` choice both ask."""
+    """Why attention core `kernel` cannot compute cfg's attention, by what its record
+    (models/attention/cores.py) takes, as the error that says so, or None: the checks and the
+    `auto` choice both ask."""
+    m, core = cfg.model, CORES.get(kernel)  # None: auto, whose choice falls back where a core refuses
     seq, split = getattr(cfg.train, "seq_len", 1), max(cfg.mesh.context, 1)
-    if getattr(cfg.model, "attention_kind", "gqa") == "mla" and (kernel == "cudnn" or split > 1):
+    strategy = getattr(m, "context_attention", "all_gather")
+    if getattr(m, "attention_kind", "gqa") == "mla" and ((core and not core.value_width) or split > 1):
         return (
             f"model.attention_kind=mla runs on the xla or splash attention over a whole sequence (model.attention="
             f"{kernel}, mesh.context={cfg.mesh.context}); use model.attention=xla, splash or auto, and mesh.context=1."
         )
-    if kernel == "splash":
-        if seq % SPLASH_BLOCK:
-            return (
-                f"model.attention=splash runs blocks of {SPLASH_BLOCK} positions: make train.seq_len a multiple of "
-                f"{SPLASH_BLOCK} (puzzles are not), or use model.attention=xla."
-            )
-        if split > 1 and getattr(cfg.model, "context_attention", "") == "ring":
-            return (
-                "model.context_attention=ring passes keys round the context shards in XLA operations; the splash "
-                "kernel gathers them (all_gather). Use model.attention=xla (or auto) with ring, or all_gather with "
-                "splash."
-            )
-        if seq % (SPLASH_BLOCK * split):
-            return (
-                f"model.attention=splash with mesh.context={split} gives each shard whole blocks of {SPLASH_BLOCK} "
-                f"queries: make train.seq_len a multiple of {SPLASH_BLOCK * split}, or use model.attention=xla."
-            )
-    if kernel == "cudnn":
-        if packed_apart := _packed_apart(cfg):
-            return (
-                f"{packed_apart} keeps attention inside documents by their segment ids, which cuDNN's fused "
-                "attention does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
-            )
-        if split > 1:
-            return (
-                f"mesh.context={cfg.mesh.context} splits the sequence, which cuDNN's fused attention cannot attend "
-                "across; use model.attention=xla (or auto, which does on a GPU), or mesh.context=1."
-            )
-        if lacking := cudnn_lacks(cfg.model):
-            return (
-                f"{' and '.join(lacking)}: cuDNN's fused attention takes no sliding window or soft-cap; use "
-                "model.attention=xla (or auto)."
-            )
+    if core is None:
+        return None
+    if split > 1 and strategy not in core.context:
+        return (
+            f"mesh.context={cfg.mesh.context} splits the sequence, which {core.label} cannot attend across"
+            + (f" under model.context_attention={strategy}" if core.context else "")
+            + "; use model.attention=xla (or auto)"
+            + (f", or model.context_attention={core.context[0]}." if core.context else ", or mesh.context=1.")
+        )
+    if seq % (core.block * split):
+        return (
+            f"model.attention={kernel} runs blocks of {core.block} positions on each of mesh.context={split} "
+            f"shards: make train.seq_len a multiple of {core.block * split} (puzzles are not), or use "
+            "model.attention=xla."
+        )
+    if not core.segments and (packed_apart := _packed_apart(cfg)):
+        return (
+            f"{packed_apart} keeps attention inside documents by their segment ids, which {core.label} "
+            "does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
+        )
+    options = (("sliding_window", core.windows), ("attn_softcap", core.softcap))
+    if lacking := [f"model.{k}={getattr(m, k)}" for k, taken in options if not taken and getattr(m, k, 0)]:
+        return f"{' and '.join(lacking)}: {core.label} takes no sliding window or soft-cap; use model.attention=xla."
     return None
 
 
@@ -175,11 +168,6 @@ def _check_logging(cfg: Config) -> None:
             "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
             "or leave wandb out of log.to."
         )
-
-
-def cudnn_lacks(model) -> list[str]:
-    """The options of a model that cuDNN's fused attention does not compute (as key=value)."""
-    return [f"model.{k}={getattr(model, k)}" for k in ("sliding_window", "attn_softcap") if getattr(model, k, 0)]
 
 
 def _installed(module: str) -> bool:
@@ -228,11 +216,9 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
     if m.compute_dtype == "auto":
         m.compute_dtype = "float32" if platform == "cpu" else "bfloat16"
     if m.attention == "auto":
-        # cuDNN's fused attention wants 16-bit inputs and head_dim <= 128 in multiples of 8.
         head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
-        cudnn_ok = platform == "gpu" and m.compute_dtype == "bfloat16" and head_dim <= 128 and head_dim % 8 == 0
-        fused = "cudnn" if cudnn_ok else "splash" if platform == "tpu" else "xla"
-        m.attention = "xla" if fused != "xla" and attention_refusal(cfg, fused) else fused
+        fused = preferred(platform, m.compute_dtype, head_dim).name
+        m.attention = "xla" if attention_refusal(cfg, fused) else fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     if getattr(m, "expert_kernel", None) == "auto":

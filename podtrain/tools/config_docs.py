@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from podtrain.config.schema import MESH_AXIS_ALIASES, Config, ModelConfig, TrainConfig, default_of
 from podtrain.models import MODELS
+from podtrain.models.attention.cores import CORES
 from podtrain.train.tasks.registry import task_of, train_config
 
 INTRO = """\
@@ -220,6 +221,35 @@ def _train_section() -> list[str]:
     return parts
 
 
+def _cores_table() -> str:
+    """What each of model.attention's cores takes (models/attention/cores.py); `auto` picks the first
+    that runs on the platform and takes the job."""
+
+    def limits(core) -> str:
+        said = [
+            *core.compute_dtypes,
+            *([f"heads up to {core.max_head_dim} in multiples of 8"] if core.max_head_dim else []),
+        ]
+        return ", ".join(said) or "any"
+
+    head = (
+        "\n### Attention cores\n\n`model.attention=auto` takes the first of these that runs on the platform and "
+        "takes the job; the others are chosen by name, and refused, with the reason, where they cannot.\n\n"
+        "| core | runs on | packed documents | sliding windows | soft-caps | values of another width "
+        "| split sequence | sequence in blocks of | dtype, heads |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = [
+        f"| `{c.name}` | {', '.join(c.platforms)} | {_yes(c.segments)} | {_yes(c.windows)} | {_yes(c.softcap)} "
+        f"| {_yes(c.value_width)} | {', '.join(c.context) or 'no'} | {c.block} | {limits(c)} |\n"
+        for c in CORES.values()
+    ]
+    return head + "".join(rows)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def _model_section() -> list[str]:
     """The keys of every model (with the defaults families change), then each family's own."""
     parts = []
@@ -239,6 +269,7 @@ def _model_section() -> list[str]:
     parts += [
         "\n## model\n\n### Keys of every model\n\n",
         _table(ModelConfig, "model.", defaults=family_defaults, choices={"name": tuple(MODELS)}),
+        _cores_table(),
     ]
     for name, family in MODELS.items():
         # A family built on another (mhc on llama) lists only the keys it adds or gives another default.

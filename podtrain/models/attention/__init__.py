@@ -3,7 +3,8 @@ fused kernel, the Pallas splash-attention kernel for TPU, context-parallel atten
 sequence split over devices, the layer that projects to heads and back, and multi-head latent
 attention (DeepSeek's MLA)."""
 
-from podtrain.models.attention.kernels import SPLASH_BLOCK, splash_attention
+from podtrain.models.attention.cores import SPLASH_BLOCK
+from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.latent import LatentAttention
 from podtrain.models.attention.module import Attention
 from podtrain.models.attention.xla import causal_blocks, grouped_attention

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from podtrain.models.attention.cores import sees
 from podtrain.models.layers import HEADS, SEGMENTS
 from podtrain.sharding import gather, logical_spec, per_shard, shards
-
-SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: sequences are whole blocks
 
 
 def splash_attention(
@@ -82,11 +81,7 @@ def _sight(masks):
 
     class Sight(masks._ComputableMask):
         def __init__(self, shape, order, causal, window):
-            def sees(q_at, k_at):
-                ok = (k_at <= q_at) if causal else (k_at - q_at < window if window else (k_at >= 0) & (q_at >= 0))
-                return ok & (q_at - k_at < window) if window else ok
-
-            super().__init__(shape=shape, mask_function=sees)
+            super().__init__(shape=shape, mask_function=lambda q_at, k_at: sees(q_at, k_at, causal, window))
             self.q_sequence = np.asarray(order, np.int32)
             self.key = (shape, causal, window, self.q_sequence.tobytes())
 

@@ -71,7 +71,9 @@ class Attention(nnx.Module):
     def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
         cannot split evenly get a copy per query head, so that q, k and v share one sharding
-        (cuDNN's attention requires it; copying replicated weights is local)."""
+        (cuDNN's attention requires it; on the xla path it keeps tensor parallelism to one
+        all-reduce per sub-layer, where uneven heads had the partitioner permute activations;
+        copying replicated weights is local)."""
         names = ("wq", "wk", "wv") + (("bq", "bk", "bv") if self.bias != "none" else ())
         w = {name: getattr(self, name)[...].astype(self.dtype) for name in names}
         d, n_heads, head_dim = w["wq"].shape

@@ -8,6 +8,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from podtrain.models.attention.cores import sees
+
 # Causal attention runs in this many blocks of queries, each reading only the keys up to its last
 # query: 9/16 of the full score matrix is computed, and each block's scores are small enough to stay
 # in cache between the softmax's passes (on 2 CPU cores, 8 blocks take ~0.6x the time of one).
@@ -59,9 +61,7 @@ def visible(sight, lo: int, hi: int, end: int, causal: bool) -> jax.Array:
     by the places, segments and window of `sight` (grouped_attention's)."""
     (q_index, k_index), segments, window = sight
     q_at, k_at = jnp.atleast_2d(q_index)[:, lo:hi, None], jnp.atleast_2d(k_index)[:, None, :end]
-    ok = k_at <= q_at if causal else jnp.ones((1, hi - lo, end), bool)
-    if window is not None:
-        ok = ok & ((q_at - k_at < window) | (window <= 0))
+    ok = sees(q_at, k_at, causal, window)
     if segments is not None:
         ok = ok & (segments[0][:, lo:hi, None] == segments[1][:, None, :end])
     return ok[:, None, :, None, :]
