@@ -18,6 +18,7 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -251,6 +252,16 @@ def balanced_order(t: int, n: int) -> np.ndarray:
     cut into 2n chunks, shard i holds chunk i and chunk 2n-1-i (n=2: 0 1 2 3 -> 0 3 1 2)."""
     chunks = np.arange(t).reshape(2 * n, t // (2 * n))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def positions_of(shape: tuple[int, ...]) -> jax.Array:
+    """(batch, seq): 0, 1, ... seq - 1 in every row."""
+    return jnp.broadcast_to(jnp.arange(shape[1]), shape[:2])
+
+
+def reordered(order: np.ndarray, *arrays) -> tuple:
+    """Each (batch, seq, ...) array, or None, with its positions taken in `order`."""
+    return tuple(None if a is None else a[:, order] for a in arrays)
 
 
 def context_order(t: int) -> np.ndarray | None:

@@ -26,7 +26,7 @@ from podtrain.models.layers import (
     stacked,
 )
 from podtrain.models.llama_config import LlamaConfig
-from podtrain.sharding import constrain, context_order, stages
+from podtrain.sharding import constrain, context_order, positions_of, reordered, stages
 
 
 class Block(nnx.Module):
@@ -169,13 +169,10 @@ class Llama(nnx.Module):
         model's output."""
         t = tokens.shape[1]
         if positions is None and (order := context_order(t)) is not None:  # the order a split sequence takes
-            segments = None if segment_ids is None else segment_ids[:, order]
-            table, x, aux = self.features(
-                tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape)
-            )
+            table, x, aux = self.features(*reordered(order, tokens, segment_ids, positions_of(tokens.shape)))
             return table, x[:, np.argsort(order)], aux
         if positions is None and stages()[0] > 1:  # in a pipeline every input of the layers is per example
-            positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
+            positions = positions_of(tokens.shape)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
         x, reports = self.widen(self.embedded(table, tokens)), []

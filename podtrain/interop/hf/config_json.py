@@ -53,26 +53,28 @@ ROUTING_DEFAULTS = {
 }
 
 
+# Which layers slide when config.json has no layer_types, by the family's kind of windows.
+SLIDES_BY_DEFAULT = {
+    "all": lambda hf, n: [True] * n,
+    "qwen": lambda hf, n: [i >= hf.get("max_window_layers", n) for i in range(n)],
+    # every period-th layer attends to everything (Gemma 2: 2, Gemma 3: 6); transformers 5 writes the _ one
+    "pattern": lambda hf, n: [
+        (i + 1) % hf.get("_sliding_window_pattern", hf["sliding_window_pattern"]) != 0 for i in range(n)
+    ],
+    "none": lambda hf, n: [False] * n,
+}
+SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' words
+
+
 def _windows(hf: dict, family: HfFamily, n_layers: int) -> dict:
     """model.sliding_window and model.full_attention_layers, as transformers decides which layers slide."""
-    window = hf.get("sliding_window")
-    if family.windows == "all":
-        sliding = [True] * n_layers
-    elif family.windows == "qwen":
-        window = window if hf.get("use_sliding_window") else None
-        first = hf.get("max_window_layers", n_layers)
-        types = hf.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
-        ]
-        sliding = [t == "sliding_attention" for t in types]
-    elif family.windows == "pattern":  # every period-th layer attends to everything (Gemma 2: 2, Gemma 3: 6)
-        period = hf.get("_sliding_window_pattern", hf["sliding_window_pattern"])  # transformers 5 writes the _ one
-        types = hf.get("layer_types") or [
-            "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers)
-        ]
-        sliding = [t == "sliding_attention" for t in types]
+    window = hf.get("sliding_window") if family.windows != "none" else None
+    if family.windows == "qwen" and not hf.get("use_sliding_window"):
+        window = None
+    if family.windows in ("qwen", "pattern") and hf.get("layer_types"):
+        sliding = [t == SLIDING for t in hf["layer_types"]]
     else:
-        window, sliding = None, [False] * n_layers
+        sliding = SLIDES_BY_DEFAULT[family.windows](hf, n_layers)
     if not window or not any(sliding):
         return {"sliding_window": 0, "full_attention_layers": []}
     return {"sliding_window": window, "full_attention_layers": [i for i, s in enumerate(sliding) if not s]}
@@ -336,7 +338,7 @@ def _windows_out(family: HfFamily, model) -> dict:
         config |= {"use_sliding_window": model.sliding_window > 0, "max_window_layers": model.n_layers}
     if family.windows in ("qwen", "pattern"):
         windows = model.layer_windows() or [0] * model.n_layers
-        config["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+        config["layer_types"] = [SLIDING if w else FULL for w in windows]
     return config
 
 

@@ -14,7 +14,7 @@ from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
-from podtrain.sharding import constrain, context_order, shards
+from podtrain.sharding import constrain, context_order, positions_of, shards
 
 
 class Attention(nnx.Module):
@@ -146,7 +146,7 @@ class Attention(nnx.Module):
             out = self.splash(q, k, v, segments, window, order)
         elif order is not None:
             if positions is None:  # in order: a caller that is not causal (the puzzles' models) needs no other
-                positions = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+                positions = positions_of(x_BTD.shape)
             out = context_attention(
                 q,
                 k,

@@ -17,7 +17,7 @@ from podtrain.data import chat, pairs
 from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
-from podtrain.sharding import batch_sharding, context_order
+from podtrain.sharding import batch_sharding, context_order, positions_of, reordered
 from podtrain.train.tasks import Task, preference
 from podtrain.train.tasks.sampling import sample
 
@@ -95,7 +95,7 @@ def document_ids(tokens: jax.Array, eos_id: int) -> jax.Array:
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
     """(batch, seq): each token's place in its own segment, counting from 0 where the segment starts."""
-    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1]), segment_ids.shape)
+    index = positions_of(segment_ids.shape)
     starts = jnp.concatenate(
         [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1
     )
@@ -111,10 +111,8 @@ def sequence_loss(model, inputs, targets, segments=None, weights=None, reset_pos
     arguments) may reduce the token losses otherwise, in a way that order does not change."""
     positions = document_positions(segments) if reset_positions and segments is not None else None
     if (order := context_order(inputs.shape[1])) is not None:
-        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape) if positions is None else positions
-        inputs, targets, segments, positions, weights = (
-            None if a is None else a[:, order] for a in (inputs, targets, segments, positions, weights)
-        )
+        positions = positions_of(inputs.shape) if positions is None else positions
+        inputs, targets, segments, positions, weights = reordered(order, inputs, targets, segments, positions, weights)
     table, x, aux = model.features(inputs, segments, positions)
     return (score or scored)(model, table, x, targets, weights), aux
 
