@@ -14,12 +14,15 @@ from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.job import build
 from podtrain.train.loop import train
 
-from helpers import SMALL, run_steps
+from helpers import SMALL, run_steps, trainer
 
 LLAMA = SMALL + ["model.n_layers=4"]
 LLAMA8 = SMALL + ["model.n_layers=8"]
 MHC = LLAMA + ["model.name=mhc", "model.streams=4"]
 CIRCULAR = ["pipeline.schedule=circular", "pipeline.repeats=2"]
+# Dropless routing with every report in use: the balancing and z losses, the bias update's loads.
+MOE_ARGS = ["model.name=moe", "model.experts=4", "model.experts_per_token=2", "model.expert_d_ff=32"]
+MOE = [*LLAMA, *MOE_ARGS, "model.router_z_loss_coef=0.001", "model.router_bias_update_rate=0.01"]
 ONE_DEVICE = {}
 
 
@@ -58,6 +61,30 @@ def test_a_pipeline_trains_like_one_device(base, mesh, devices):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params, one_params)
 
 
+def routed_steps(overrides, devices, n_steps=2):
+    """Each step's metrics, for an MoE on the mesh in `overrides`."""
+    state, step, batches = trainer(overrides, devices)
+    found = []
+    for i in range(n_steps):
+        state, metrics = step(state, batches[i])
+        found.append(jax.device_get(metrics))
+    return found
+
+
+@pytest.mark.parametrize("schedule", [[], [*CIRCULAR, "pipeline.microbatches=4"]], ids=["gpipe", "circular"])
+def test_an_moe_pipelines_with_its_layers_routing_reports(schedule):
+    """Each MoE layer reports its routing statistics, means over its batch's tokens; pipelined,
+    a layer's reports are the mean of its microbatches', so the loss (balancing and z terms in
+    it), the loads per layer and the router bias they move equal one device's."""
+    one = routed_steps([*MOE, "mesh.data=1", *schedule], 1)
+    piped = routed_steps([*MOE, "mesh.stage=2", "mesh.data=1", *schedule], 2)
+    routing = {"loss", "aux_loss", "z_loss", "expert_load", *(f"expert_load/{i}" for i in range(4))}
+    for ours, reference in zip(piped, one):
+        assert routing <= set(ours)
+        for key in routing:
+            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-5, err_msg=key)
+
+
 def test_each_stage_runs_its_own_layers_and_hands_on_by_permutes():
     def compiled(mesh):
         cfg = load_config(None, [*LLAMA, "model.n_layers=8", "train.batch_size=16", *mesh])
@@ -93,7 +120,13 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
     [
         (["mesh.stage=2", "pipeline.microbatches=1"], "must be at least the 2 stages"),
         (["mesh.stage=4", "model.n_layers=6"], "does not cut evenly into 4 pipeline stages"),
-        (["mesh.stage=2", "model.name=moe", "model.experts=4"], "pipelines the layers of llama or mhc models"),
+        (["mesh.stage=2", "mesh.context=2"], "pipelines the layers of .* models with mesh.context=1"),
+        (["mesh.stage=2", *MOE_ARGS, "model.first_dense_layers=1"], "stacks of 1 and 1 layers"),
+        (["mesh.stage=2", "pipeline.microbatches=4", "train.batch_size=6"], "divide the 6 sequences"),
+        (
+            ["mesh.stage=2", "train.batch_size=12", "train.grad_accum=2", "pipeline.microbatches=4"],
+            "divide the 6 sequences .*train.grad_accum=2",
+        ),
         (["mesh.stage=2", "pipeline.schedule=circular"], "goes round the stages 2 or more times"),
         (["mesh.stage=2", "pipeline.repeats=2"], "gpipe once"),
         (["mesh.stage=2", *CIRCULAR, "model.n_layers=6"], "2 pipeline stages .* x 2 pipeline.repeats"),
