@@ -11,7 +11,7 @@ from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import build
+from podtrain.train.job import accumulation, build
 from podtrain.train.loop import train
 
 from helpers import SMALL, run_steps, trainer
@@ -43,6 +43,7 @@ def _one_device(base: list[str]):
         (LLAMA, ["mesh.stage=2", "mesh.data=1", *CIRCULAR, "pipeline.microbatches=4"], 2),
         (LLAMA8, ["mesh.stage=4", "mesh.data=2", *CIRCULAR], 8),
         (MHC, ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", *CIRCULAR], 8),
+        ([*LLAMA, *MOE_ARGS, "model.first_dense_layers=2"], ["mesh.stage=2", "mesh.data=1"], 2),
     ],
     ids=[
         "llama-stage2",
@@ -52,6 +53,7 @@ def _one_device(base: list[str]):
         "llama-stage2-circular2-4micro",
         "llama-stage4-circular2-data2",
         "mhc-stage2-circular2-fsdp2-tensor2",
+        "moe-dense2-stage2",  # two stacks, each a pipeline
     ],
 )
 def test_a_pipeline_trains_like_one_device(base, mesh, devices):
@@ -135,6 +137,17 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
 def test_a_pipeline_that_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*SMALL, *overrides])
+
+
+def test_more_accumulation_on_a_mesh_keeps_the_pipelines_microbatches_whole():
+    """train.device_batch may ask for more accumulation on a mesh than the config's: the pipeline's
+    microbatches must still split each accumulation microbatch, or the job is refused."""
+    cfg = load_config(None, [*SMALL, "train.batch_size=24", "train.device_batch=3"])
+    assert accumulation(cfg, 2) == 4 and accumulation(cfg, 2, pipelined=4) == 6  # 6, then 4 sequences
+    cfg = load_config(None, [*SMALL, "train.batch_size=24", "train.device_batch=1"])
+    assert accumulation(cfg, 2) == 12
+    with pytest.raises(ConfigError, match="into pipeline.microbatches=4"):
+        accumulation(cfg, 2, pipelined=4)
 
 
 def test_a_checkpoint_of_stages_over_slices_restores_on_any_mesh(tmp_path):
