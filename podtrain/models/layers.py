@@ -299,6 +299,7 @@ def scan_layers(
     unroll: int | str = 1,
     precision: str = "compute",
     decode: bool = False,
+    unbatched: tuple[int, ...] = (),
 ) -> tuple[Any, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
@@ -310,7 +311,8 @@ def scan_layers(
     the weights' matmuls run under `precision` (models/ops.py).
     `unroll` layers per iteration; `auto` that no runtime resolved (a model built by hand) scans.
     The scan runs through `pipeline.run_stack`, a pipeline on a mesh with a `stage` axis (not when
-    decoding): every one of `args` is then per example (batch, ...), or None.
+    decoding), which cuts each of `args` into microbatches along its batch axis (batch, ...) but
+    those at the indices `unbatched`, the same for every example (a RoPE table of shared positions).
     """
     graphdef, state = nnx.split(layers)
     unroll = 1 if unroll == "auto" else unroll
@@ -330,7 +332,7 @@ def scan_layers(
         indices = jnp.arange(jax.tree.leaves(state)[0].shape[0])
         return jax.lax.scan(body, h, (state, per_layer, indices), unroll=unroll)
 
-    return run_stack(run, state, x, args, per_layer, decode)
+    return run_stack(run, state, x, args, per_layer, decode, unbatched)
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:

@@ -26,7 +26,7 @@ from podtrain.models.layers import (
     stacked,
 )
 from podtrain.models.llama_config import LlamaConfig
-from podtrain.sharding import constrain, context_order, stages
+from podtrain.sharding import constrain, context_order
 from podtrain.train.tasks.language import LanguageTask
 
 
@@ -175,8 +175,6 @@ class Llama(nnx.Module):
                 tokens[:, order], segments, jnp.broadcast_to(jnp.asarray(order), tokens.shape)
             )
             return table, x[:, np.argsort(order)], aux
-        if positions is None and stages()[0] > 1:  # in a pipeline every input of the layers is per example
-            positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
         x, reports = self.widen(self.embedded(table, tokens)), []
@@ -191,6 +189,7 @@ class Llama(nnx.Module):
                 remat=self.cfg.remat,
                 unroll=self.cfg.scan_unroll,
                 precision=self.cfg.matmul_precision,
+                unbatched=(0,) if positions is None else (),  # the RoPE table of positions 0..t-1, for every row
             )
             reports.append(report)
         return table, self.narrow(x), self.auxiliary(reports)

@@ -30,21 +30,27 @@ from podtrain.errors import ConfigError
 from podtrain.sharding import Pipeline, constrain, per_stage, stages
 
 
-def run_stack(run: Callable, state, x, per_example: tuple, per_layer: tuple, decode: bool = False):
-    """The one place a layer stack becomes a pipeline: `run(state, x, per_example, per_layer)` ->
-    (x, reports), as it is, or over the mesh's `stage` axis where it has one. Decoding (a prompt,
-    then a token at a time) runs as it is on purpose: a batch of 1 has nothing to cut into
+def run_stack(run: Callable, state, x, args: tuple, per_layer: tuple, decode: bool = False, unbatched=()):
+    """The one place a layer stack becomes a pipeline: `run(state, x, args, per_layer)` -> (x,
+    reports), as it is, or over the mesh's `stage` axis where it has one, each of `args` cut into
+    microbatches but those at the indices `unbatched`, whole for every microbatch. Decoding (a
+    prompt, then a token at a time) runs as it is on purpose: a batch of 1 has nothing to cut into
     microbatches. A batch the microbatches do not divide is refused, never run another way."""
     n, pipeline = stages()
     if n == 1 or decode:
-        return run(state, x, per_example, per_layer)
+        return run(state, x, args, per_layer)
     batch = jax.tree.leaves(x)[0].shape[0]
     if batch % pipeline.microbatches:
         raise ConfigError(
             f"pipeline.microbatches={pipeline.microbatches} does not divide a batch of {batch} sequences through the "
             "pipelined layers; make train.batch_size / train.grad_accum a multiple of pipeline.microbatches."
         )
-    return pipelined(run, state, nnx.get_partition_spec(state), x, per_example, per_layer, n, pipeline)
+    per_example = tuple(None if i in unbatched else a for i, a in enumerate(args))
+
+    def with_whole(state, h, examples, per_layer):  # each stage's microbatch of args, the whole ones put back
+        return run(state, h, tuple(args[i] if i in unbatched else a for i, a in enumerate(examples)), per_layer)
+
+    return pipelined(with_whole, state, nnx.get_partition_spec(state), x, per_example, per_layer, n, pipeline)
 
 
 def pipelined(
