@@ -3,13 +3,17 @@ own devices, the batch into microbatches. The same losses and weights as one dev
 device computes only its stage's layers; the hand-offs are collective permutes along `stage`."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
+from podtrain.models import build_model
 from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.job import accumulation, build
 from podtrain.train.loop import train
@@ -137,6 +141,22 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
 def test_a_pipeline_that_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*SMALL, *overrides])
+
+
+def test_the_stack_refuses_a_batch_the_microbatches_do_not_divide_and_decodes_whole():
+    """Past the config check (a batch it does not see), the stack itself refuses to run a batch
+    of 3 as anything but 2 microbatches; decoding, a prompt of batch 1, runs as on one device."""
+    cfg = load_config(None, [*LLAMA, "mesh.stage=2", "mesh.data=1"])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:2])
+    model = build_model(cfg.model, nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="pipeline.microbatches=2 does not divide a batch of 3"):
+        sharded_jit(lambda t: model.features(t)[1], mesh)(jnp.zeros((3, 16), jnp.int32))
+    prompt = jnp.arange(1, 9, dtype=jnp.int32)[None]
+
+    def decode(tokens):
+        return model.decode(tokens, model.init_cache(1, 16), jnp.int32(0))[0]
+
+    np.testing.assert_allclose(sharded_jit(decode, mesh)(prompt), jax.jit(decode)(prompt), rtol=0, atol=1e-5)
 
 
 def test_more_accumulation_on_a_mesh_keeps_the_pipelines_microbatches_whole():
