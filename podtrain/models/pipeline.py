@@ -11,7 +11,13 @@ microbatch on lap 0 and the last stage's output of the previous lap after (it wa
 ticks before); the last stage's output of lap R - 1 is the result. R M + S - 1 ticks, of which
 each stage idles S - 1: the bubble, (S - 1) / (R M + S - 1). Autodiff runs the same schedule
 backwards. Everything the layers read per example (positions, segment ids, RoPE tables) travels
-with its microbatch.
+with its microbatch; what is the same for every example (a RoPE table of shared positions) goes
+whole to every stage. A layer's report (an MoE layer's routing statistics, means over its batch's
+tokens) is summed over the M microbatches it ran and divided by M: their mean, which is the whole
+batch's, the microbatches being of one size.
+
+`run_stack` is the one place a stack becomes a pipeline: every stack runs through it, and
+decoding, never cut into microbatches, runs as it is.
 
 The params keep one layout, consecutive layers per stage shard, whatever the schedule (so a
 checkpoint restores onto any mesh); the circular schedule regroups them into its pieces once per
