@@ -48,6 +48,7 @@ def _one_device(base: list[str]):
         (LLAMA8, ["mesh.stage=4", "mesh.data=2", *CIRCULAR], 8),
         (MHC, ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", *CIRCULAR], 8),
         ([*LLAMA, *MOE_ARGS, "model.first_dense_layers=2"], ["mesh.stage=2", "mesh.data=1"], 2),
+        ([*LLAMA, *MOE_ARGS], ["mesh.stage=2", "mesh.data=1", "mesh.expert=2"], 4),
     ],
     ids=[
         "llama-stage2",
@@ -58,6 +59,7 @@ def _one_device(base: list[str]):
         "llama-stage4-circular2-data2",
         "mhc-stage2-circular2-fsdp2-tensor2",
         "moe-dense2-stage2",  # two stacks, each a pipeline
+        "moe-stage2-expert2",
     ],
 )
 def test_a_pipeline_trains_like_one_device(base, mesh, devices):
