@@ -3,23 +3,30 @@ own devices, the batch into microbatches. The same losses and weights as one dev
 device computes only its stage's layers; the hand-offs are collective permutes along `stage`."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
+from podtrain.models import build_model
 from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime.mesh import build_mesh
+from podtrain.sharding import sharded_jit
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import build
+from podtrain.train.job import accumulation, build
 from podtrain.train.loop import train
 
-from helpers import SMALL, run_steps
+from helpers import SMALL, run_steps, trainer
 
 LLAMA = SMALL + ["model.n_layers=4"]
 LLAMA8 = SMALL + ["model.n_layers=8"]
 MHC = LLAMA + ["model.name=mhc", "model.streams=4"]
 CIRCULAR = ["pipeline.schedule=circular", "pipeline.repeats=2"]
+# Dropless routing with every report in use: the balancing and z losses, the bias update's loads.
+MOE_ARGS = ["model.name=moe", "model.experts=4", "model.experts_per_token=2", "model.expert_d_ff=32"]
+MOE = [*LLAMA, *MOE_ARGS, "model.router_z_loss_coef=0.001", "model.router_bias_update_rate=0.01"]
 ONE_DEVICE = {}
 
 
@@ -40,6 +47,8 @@ def _one_device(base: list[str]):
         (LLAMA, ["mesh.stage=2", "mesh.data=1", *CIRCULAR, "pipeline.microbatches=4"], 2),
         (LLAMA8, ["mesh.stage=4", "mesh.data=2", *CIRCULAR], 8),
         (MHC, ["mesh.stage=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", *CIRCULAR], 8),
+        ([*LLAMA, *MOE_ARGS, "model.first_dense_layers=2"], ["mesh.stage=2", "mesh.data=1"], 2),
+        ([*LLAMA, *MOE_ARGS], ["mesh.stage=2", "mesh.data=1", "mesh.expert=2"], 4),
     ],
     ids=[
         "llama-stage2",
@@ -49,6 +58,8 @@ def _one_device(base: list[str]):
         "llama-stage2-circular2-4micro",
         "llama-stage4-circular2-data2",
         "mhc-stage2-circular2-fsdp2-tensor2",
+        "moe-dense2-stage2",  # two stacks, each a pipeline
+        "moe-stage2-expert2",
     ],
 )
 def test_a_pipeline_trains_like_one_device(base, mesh, devices):
@@ -56,6 +67,30 @@ def test_a_pipeline_trains_like_one_device(base, mesh, devices):
     one_losses, one_params = _one_device(base)
     np.testing.assert_allclose(losses, one_losses, rtol=0, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), params, one_params)
+
+
+def routed_steps(overrides, devices, n_steps=2):
+    """Each step's metrics, for an MoE on the mesh in `overrides`."""
+    state, step, batches = trainer(overrides, devices)
+    found = []
+    for i in range(n_steps):
+        state, metrics = step(state, batches[i])
+        found.append(jax.device_get(metrics))
+    return found
+
+
+@pytest.mark.parametrize("schedule", [[], [*CIRCULAR, "pipeline.microbatches=4"]], ids=["gpipe", "circular"])
+def test_an_moe_pipelines_with_its_layers_routing_reports(schedule):
+    """Each MoE layer reports its routing statistics, means over its batch's tokens; pipelined,
+    a layer's reports are the mean of its microbatches', so the loss (balancing and z terms in
+    it), the loads per layer and the router bias they move equal one device's."""
+    one = routed_steps([*MOE, "mesh.data=1", *schedule], 1)
+    piped = routed_steps([*MOE, "mesh.stage=2", "mesh.data=1", *schedule], 2)
+    routing = {"loss", "aux_loss", "z_loss", "expert_load", *(f"expert_load/{i}" for i in range(4))}
+    for ours, reference in zip(piped, one):
+        assert routing <= set(ours)
+        for key in routing:
+            np.testing.assert_allclose(ours[key], reference[key], rtol=1e-5, err_msg=key)
 
 
 def test_each_stage_runs_its_own_layers_and_hands_on_by_permutes():
@@ -93,7 +128,13 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
     [
         (["mesh.stage=2", "pipeline.microbatches=1"], "must be at least the 2 stages"),
         (["mesh.stage=4", "model.n_layers=6"], "does not cut evenly into 4 pipeline stages"),
-        (["mesh.stage=2", "model.name=moe", "model.experts=4"], "pipelines the layers of llama or mhc models"),
+        (["mesh.stage=2", "mesh.context=2"], "pipelines the layers of .* models with mesh.context=1"),
+        (["mesh.stage=2", *MOE_ARGS, "model.first_dense_layers=1"], "stacks of 1 and 1 layers"),
+        (["mesh.stage=2", "pipeline.microbatches=4", "train.batch_size=6"], "divide the 6 sequences"),
+        (
+            ["mesh.stage=2", "train.batch_size=12", "train.grad_accum=2", "pipeline.microbatches=4"],
+            "divide the 6 sequences .*train.grad_accum=2",
+        ),
         (["mesh.stage=2", "pipeline.schedule=circular"], "goes round the stages 2 or more times"),
         (["mesh.stage=2", "pipeline.repeats=2"], "gpipe once"),
         (["mesh.stage=2", *CIRCULAR, "model.n_layers=6"], "2 pipeline stages .* x 2 pipeline.repeats"),
@@ -102,6 +143,33 @@ def test_the_plan_reports_the_circular_schedules_smaller_bubble():
 def test_a_pipeline_that_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*SMALL, *overrides])
+
+
+def test_the_stack_refuses_a_batch_the_microbatches_do_not_divide_and_decodes_whole():
+    """Past the config check (a batch it does not see), the stack itself refuses to run a batch
+    of 3 as anything but 2 microbatches; decoding, a prompt of batch 1, runs as on one device."""
+    cfg = load_config(None, [*LLAMA, "mesh.stage=2", "mesh.data=1"])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:2])
+    model = build_model(cfg.model, nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="pipeline.microbatches=2 does not divide a batch of 3"):
+        sharded_jit(lambda t: model.features(t)[1], mesh)(jnp.zeros((3, 16), jnp.int32))
+    prompt = jnp.arange(1, 9, dtype=jnp.int32)[None]
+
+    def decode(tokens):
+        return model.decode(tokens, model.init_cache(1, 16), jnp.int32(0))[0]
+
+    np.testing.assert_allclose(sharded_jit(decode, mesh)(prompt), jax.jit(decode)(prompt), rtol=0, atol=1e-5)
+
+
+def test_more_accumulation_on_a_mesh_keeps_the_pipelines_microbatches_whole():
+    """train.device_batch may ask for more accumulation on a mesh than the config's: the pipeline's
+    microbatches must still split each accumulation microbatch, or the job is refused."""
+    cfg = load_config(None, [*SMALL, "train.batch_size=24", "train.device_batch=3"])
+    assert accumulation(cfg, 2) == 4 and accumulation(cfg, 2, pipelined=4) == 6  # 6, then 4 sequences
+    cfg = load_config(None, [*SMALL, "train.batch_size=24", "train.device_batch=1"])
+    assert accumulation(cfg, 2) == 12
+    with pytest.raises(ConfigError, match="into pipeline.microbatches=4"):
+        accumulation(cfg, 2, pipelined=4)
 
 
 def test_a_checkpoint_of_stages_over_slices_restores_on_any_mesh(tmp_path):

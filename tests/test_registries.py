@@ -35,8 +35,8 @@ from podtrain.train.tasks.registry import TASKS, task_of
 
 @pytest.fixture
 def gpt2(monkeypatch):
-    """MODELS with one more language family, pipelined, whose stack is `n_blocks` long."""
-    family = dataclasses.replace(llama.FAMILY, name="gpt2", pipelined=True, stacks=("n_blocks",))
+    """MODELS with one more language family, whose stack is `n_blocks` long."""
+    family = dataclasses.replace(llama.FAMILY, name="gpt2", stacks=("n_blocks",))
     monkeypatch.setitem(MODELS, "gpt2", family)
     return family
 
@@ -44,9 +44,11 @@ def gpt2(monkeypatch):
 def test_a_new_family_reaches_the_docs_the_pipeline_check_and_the_unroll(gpt2):
     assert "`gpt2`" in config_docs._families_reading("text")
     assert "`gpt2`" not in config_docs._families_reading("sudoku")
-    cfg = default_config("moe")
+    cfg = default_config("trm")  # its layers run inside a recurrence
     cfg.mesh.stage = 2
-    with pytest.raises(ConfigError, match="llama or mhc or gpt2 models"):
+    with pytest.raises(
+        ConfigError, match="llama or mhc or moe or gpt2 models .*; this is model.name=trm \\(its layers run inside"
+    ):
         checks._check_pipeline(cfg)
 
 

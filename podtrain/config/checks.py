@@ -178,17 +178,19 @@ def _installed(module: str) -> bool:
 
 
 def _check_pipeline(cfg: Config) -> None:
-    """Stages (x repeats) that cut the layers evenly, at least as many microbatches, each splitting evenly."""
+    """Stages (x repeats) that cut each stack of layers evenly, at least as many microbatches, each
+    splitting the training batch evenly: the pipeline runs no batch another way."""
     if cfg.mesh.stage == 1 and cfg.mesh.dcn_stage == 1:
         return
     stages = max(cfg.mesh.stage, 1) * max(cfg.mesh.dcn_stage, 1)  # a -1 is checked against the devices
-    name, layers = cfg.model.name, getattr(cfg.model, "n_layers", 0)
-    pipelined = [f.name for f in MODELS.values() if f.pipelined]
-    if name not in pipelined or cfg.mesh.context != 1:
+    name, family = cfg.model.name, MODELS[cfg.model.name]
+    if family.recurrent or cfg.mesh.context != 1:
+        pipelined = [f.name for f in MODELS.values() if not f.recurrent]
         raise ConfigError(
             f"mesh.stage={cfg.mesh.stage} (dcn_stage={cfg.mesh.dcn_stage}) pipelines the layers of "
-            f"{' or '.join(pipelined)} models with mesh.context=1; this is model.name={name}, mesh.context="
-            f"{cfg.mesh.context}. Put those devices on mesh.data or mesh.fsdp."
+            f"{' or '.join(pipelined)} models with mesh.context=1; this is model.name={name}"
+            f"{' (its layers run inside a recurrence)' if family.recurrent else ''}, mesh.context={cfg.mesh.context}. "
+            "Put those devices on mesh.data or mesh.fsdp."
         )
     repeats, circular = cfg.pipeline.repeats, cfg.pipeline.schedule == "circular"
     if circular != (repeats > 1):
@@ -196,16 +198,23 @@ def _check_pipeline(cfg: Config) -> None:
             f"pipeline.schedule={cfg.pipeline.schedule} with pipeline.repeats={repeats}: the circular schedule "
             "goes round the stages 2 or more times (set pipeline.repeats), gpipe once (pipeline.repeats=1)."
         )
-    if layers % (stages * repeats):
+    lengths = cfg.model.stack_lengths() if hasattr(cfg.model, "stack_lengths") else (cfg.model.n_layers,)
+    if any(n % (stages * repeats) for n in lengths):
+        stacks = f"model.n_layers={cfg.model.n_layers}"
+        if len(lengths) > 1:
+            stacks += f" (stacks of {' and '.join(map(str, lengths))} layers: see model.first_dense_layers)"
         raise ConfigError(
-            f"model.n_layers={layers} does not cut evenly into {stages} pipeline stages (mesh.stage x "
-            f"mesh.dcn_stage) x {repeats} pipeline.repeats; give sizes whose product divides the layers."
+            f"{stacks} does not cut evenly into {stages} pipeline stages (mesh.stage x mesh.dcn_stage) x "
+            f"{repeats} pipeline.repeats; give sizes whose product divides the layers of each stack."
         )
     micro, batch = microbatches_over(stages, cfg.pipeline.microbatches), cfg.train.batch_size // cfg.train.grad_accum
     if micro < stages or batch % micro:
         raise ConfigError(
             f"pipeline.microbatches={micro} must be at least the {stages} stages (else some stage idles every "
-            f"tick) and divide the microbatch of {batch} sequences (train.batch_size / train.grad_accum)."
+            f"tick) and divide the {batch} sequences of each step's microbatch (train.batch_size="
+            f"{cfg.train.batch_size} / train.grad_accum={cfg.train.grad_accum}); the pipeline runs no batch another "
+            f"way: set pipeline.microbatches to a divisor of {batch} (at least {stages}), or train.batch_size to "
+            f"train.grad_accum x a multiple of {micro}."
         )
 
 

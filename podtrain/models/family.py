@@ -22,5 +22,7 @@ class Family:
     # (model config, params, the step's metrics) -> (params, metrics): what the family updates after
     # each optimizer step other than by gradients (an MoE's router bias), taking the metrics it reads
     after_step: Callable[[Any, Any, dict], tuple[Any, dict]] | None = None
-    pipelined: bool = False  # its one stack of layers runs over mesh.stage as a pipeline
+    # its stacks run inside a recurrence, many passes a step (HRM, TRM): no pipeline over mesh.stage,
+    # which would fill and drain at every pass
+    recurrent: bool = False
     stacks: tuple[str, ...] = ("n_layers",)  # the model keys that are a scanned stack's length

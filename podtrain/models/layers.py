@@ -1,6 +1,7 @@
 """Building blocks shared by the models. Parameters and activations name logical axes; the mesh
-is reached only by name (`constrain` pins an activation, and the rules decide what that means)
-and by `stages()`, which turns a layer stack into a pipeline where the mesh has a `stage` axis.
+is reached only by name (`constrain` pins an activation, and the rules decide what that means);
+a layer stack runs through `pipeline.run_stack`, which makes it a pipeline where the mesh has a
+`stage` axis.
 
 Precision policy: parameters are stored in float32 and cast to the compute dtype where used;
 norms, softmax statistics and logits are computed in float32.
@@ -18,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models import fused_mlp, lora, ops
-from podtrain.models.pipeline import pipelined
-from podtrain.sharding import constrain, stages
+from podtrain.models.pipeline import run_stack
+from podtrain.sharding import constrain
 
 ACT = ("act_batch", "act_seq", "act_embed")  # the residual stream (batch, seq, d_model)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -298,6 +299,7 @@ def scan_layers(
     unroll: int | str = 1,
     precision: str = "compute",
     decode: bool = False,
+    unbatched: tuple[int, ...] = (),
 ) -> tuple[Any, Any]:
     """Run a stack of identical layers (created with `nnx.vmap`) over x with `lax.scan`: each
     layer is called with x, `args`, then its own slice of each array in `per_layer` (layers, ...).
@@ -308,8 +310,9 @@ def scan_layers(
     Compile time stays independent of depth; `remat` trades recomputation for activation memory;
     the weights' matmuls run under `precision` (models/ops.py).
     `unroll` layers per iteration; `auto` that no runtime resolved (a model built by hand) scans.
-    On a mesh with a `stage` axis the stack runs as a pipeline (`models.pipeline`); every one of
-    `args` is then per example (batch, ...), or None.
+    The scan runs through `pipeline.run_stack`, a pipeline on a mesh with a `stage` axis (not when
+    decoding), which cuts each of `args` into microbatches along its batch axis (batch, ...) but
+    those at the indices `unbatched`, the same for every example (a RoPE table of shared positions).
     """
     graphdef, state = nnx.split(layers)
     unroll = 1 if unroll == "auto" else unroll
@@ -329,12 +332,7 @@ def scan_layers(
         indices = jnp.arange(jax.tree.leaves(state)[0].shape[0])
         return jax.lax.scan(body, h, (state, per_layer, indices), unroll=unroll)
 
-    n_stages, pipeline = stages()
-    if n_stages == 1 or decode or jax.tree.leaves(x)[0].shape[0] % pipeline.microbatches:  # a prompt: no pipeline
-        return run(state, x, args, per_layer)
-    names = nnx.get_partition_spec(state)
-    outputs = pipelined(lambda *stage: run(*stage)[0], state, names, x, args, per_layer, n_stages, pipeline)
-    return outputs, None
+    return run_stack(run, state, x, args, per_layer, decode, unbatched)
 
 
 def stacked(n: int, make, rngs: nnx.Rngs) -> nnx.Module:

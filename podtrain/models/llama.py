@@ -26,7 +26,7 @@ from podtrain.models.layers import (
     stacked,
 )
 from podtrain.models.llama_config import LlamaConfig
-from podtrain.sharding import constrain, context_order, positions_of, reordered, stages
+from podtrain.sharding import constrain, context_order, positions_of, reordered
 
 
 class Block(nnx.Module):
@@ -171,8 +171,6 @@ class Llama(nnx.Module):
         if positions is None and (order := context_order(t)) is not None:  # the order a split sequence takes
             table, x, aux = self.features(*reordered(order, tokens, segment_ids, positions_of(tokens.shape)))
             return table, x[:, np.argsort(order)], aux
-        if positions is None and stages()[0] > 1:  # in a pipeline every input of the layers is per example
-            positions = positions_of(tokens.shape)
         table = constrain(self.embed[...], TABLE)  # gathered once for the lookup and a tied head
         rope = self.rope(tokens.shape[1] if positions is None else positions)
         x, reports = self.widen(self.embedded(table, tokens)), []
@@ -187,6 +185,7 @@ class Llama(nnx.Module):
                 remat=self.cfg.remat,
                 unroll=self.cfg.scan_unroll,
                 precision=self.cfg.matmul_precision,
+                unbatched=(0,) if positions is None else (),  # the RoPE table of positions 0..t-1, for every row
             )
             reports.append(report)
         return table, self.narrow(x), self.auxiliary(reports)
@@ -308,4 +307,4 @@ def causal_keys(t: int, window: int = 0) -> float:
 DEBUG = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384}
 DEBUG |= {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}  # latent attention's
 
-FAMILY = Family("llama", LlamaConfig, Llama, flops_per_token, "language", DEBUG, pipelined=True)
+FAMILY = Family("llama", LlamaConfig, Llama, flops_per_token, "language", DEBUG)

@@ -110,6 +110,10 @@ class LlamaConfig(LanguageModelConfig):
             return self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
         return 2 * self.head_size
 
+    def stack_lengths(self) -> tuple[int, ...]:
+        """The layers of each stack the model scans, bottom first (each a pipeline over mesh.stage)."""
+        return (self.n_layers,)
+
     def layer_windows(self) -> list[int] | None:
         """Each layer's sliding window (0: it sees every earlier position), or None if none slides."""
         if not self.sliding_window:

@@ -70,6 +70,10 @@ class MoeConfig(llama.LlamaConfig):
     def expert_width(self) -> int:
         return self.expert_d_ff or self.d_ff
 
+    def stack_lengths(self) -> tuple[int, ...]:
+        dense = self.first_dense_layers
+        return (dense, self.n_layers - dense) if dense else (self.n_layers,)
+
     def routing(self) -> Routing:
         return Routing(
             self.experts,

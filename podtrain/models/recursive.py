@@ -267,5 +267,7 @@ def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
 
 DEBUG = {"d_model": 128, "n_heads": 4, "d_ff": 384}  # the tiny job's widths, for --use-small-model
 
-HRM_FAMILY = Family("hrm", HrmConfig, HRM, flops_per_token, "puzzles", DEBUG, stacks=("H_layers", "L_layers"))
-TRM_FAMILY = Family("trm", TrmConfig, TRM, flops_per_token, "puzzles", DEBUG, stacks=("L_layers",))
+HRM_FAMILY = Family(
+    "hrm", HrmConfig, HRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("H_layers", "L_layers")
+)
+TRM_FAMILY = Family("trm", TrmConfig, TRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("L_layers",))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,15 @@ import jax
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS, family
-from podtrain.sharding import Pipeline, batch_sharding, data_parallel_size, replicated, sharded_jit, shardings_of
+from podtrain.sharding import (
+    Pipeline,
+    batch_sharding,
+    data_parallel_size,
+    microbatches_over,
+    replicated,
+    sharded_jit,
+    shardings_of,
+)
 from podtrain.train.checkpoint import ITEMS
 from podtrain.train.digest import leaf_name
 from podtrain.train.state import TrainSetup, init_state, train_setup
@@ -26,11 +35,12 @@ from podtrain.train.tasks import Task
 from podtrain.train.tasks.registry import task_of
 
 
-def accumulation(cfg: Config, dp: int) -> int:
+def accumulation(cfg: Config, dp: int, pipelined: int = 1) -> int:
     """Microbatches per step on `dp` data-parallel devices (mesh data x fsdp): the fewest, at least
-    train.grad_accum, whose microbatch splits evenly over them and, with train.device_batch, gives no
-    device more sequences than that. The global batch and its order are the config's on any number of
-    devices, so a run resumed on fewer (or more) still trains step i on batch i."""
+    train.grad_accum, whose microbatch splits evenly over them and into the `pipelined` microbatches
+    of a pipeline and, with train.device_batch, gives no device more sequences than that. The global
+    batch and its order are the config's on any number of devices, so a run resumed on fewer (or
+    more) still trains step i on batch i."""
     t = cfg.train
     if t.batch_size % dp:
         divisors = [str(n) for n in range(1, t.batch_size + 1) if t.batch_size % n == 0]
@@ -46,7 +56,15 @@ def accumulation(cfg: Config, dp: int) -> int:
             f"train.grad_accum={t.grad_accum} leaves microbatches of {t.batch_size // t.grad_accum} sequences, fewer "
             f"than the {dp} data-parallel devices (mesh data x fsdp); make it at most {t.batch_size // dp}."
         )
-    return next(a for a in range(least, t.batch_size + 1) if t.batch_size % a == 0 and t.batch_size // a % dp == 0)
+    split = math.lcm(dp, pipelined)
+    fits = [a for a in range(least, t.batch_size + 1) if t.batch_size % a == 0 and t.batch_size // a % split == 0]
+    if not fits:  # the pipeline runs no batch another way
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} in at least {least} microbatches (train.grad_accum, train.device_batch) "
+            f"leaves none that splits over {dp} data-parallel devices and into pipeline.microbatches={pipelined}; "
+            f"make train.batch_size a multiple of {least * split} or lower train.device_batch's demand."
+        )
+    return fits[0]
 
 
 @dataclass
@@ -91,7 +109,9 @@ class Job:
 def build(cfg: Config, mesh, data: bool = True) -> Job:
     """The model, its optimizer and its task (text for language models, puzzles for reasoners) on
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
-    grad_accum = accumulation(cfg, data_parallel_size(mesh))
+    stages = mesh.shape["stage"]
+    pipelined = microbatches_over(stages, cfg.pipeline.microbatches) if stages > 1 else 1
+    grad_accum = accumulation(cfg, data_parallel_size(mesh), pipelined)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=grad_accum))
     record = family(cfg.model)
     if data and cfg.data.source not in task_of(record).data_sources:

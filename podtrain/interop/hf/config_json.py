@@ -53,11 +53,11 @@ ROUTING_DEFAULTS = {
 }
 
 
-# Which layers slide when config.json has no layer_types, by the family's kind of windows.
+# Which layers slide when config.json has no layer_types, by the family's kind of windows; "pattern": all
+# but every period-th (Gemma 2: 2, Gemma 3: 6; transformers 5 writes _sliding_window_pattern).
 SLIDES_BY_DEFAULT = {
     "all": lambda hf, n: [True] * n,
     "qwen": lambda hf, n: [i >= hf.get("max_window_layers", n) for i in range(n)],
-    # every period-th layer attends to everything (Gemma 2: 2, Gemma 3: 6); transformers 5 writes the _ one
     "pattern": lambda hf, n: [
         (i + 1) % hf.get("_sliding_window_pattern", hf["sliding_window_pattern"]) != 0 for i in range(n)
     ],
