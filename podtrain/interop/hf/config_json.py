@@ -71,10 +71,8 @@ def _windows(hf: dict, family: HfFamily, n_layers: int) -> dict:
     window = hf.get("sliding_window") if family.windows != "none" else None
     if family.windows == "qwen" and not hf.get("use_sliding_window"):
         window = None
-    if family.windows in ("qwen", "pattern") and hf.get("layer_types"):
-        sliding = [t == SLIDING for t in hf["layer_types"]]
-    else:
-        sliding = SLIDES_BY_DEFAULT[family.windows](hf, n_layers)
+    types = hf.get("layer_types") if family.windows in ("qwen", "pattern") else None
+    sliding = [t == SLIDING for t in types] if types else SLIDES_BY_DEFAULT[family.windows](hf, n_layers)
     if not window or not any(sliding):
         return {"sliding_window": 0, "full_attention_layers": []}
     return {"sliding_window": window, "full_attention_layers": [i for i, s in enumerate(sliding) if not s]}
