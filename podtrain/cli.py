@@ -50,7 +50,7 @@ def _doctor(args) -> None:
 
 
 def _launch(args) -> int:
-    from podtrain.tools.launch import launch
+    from podtrain.tools.launch import Launch
 
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     if not command:
@@ -64,7 +64,7 @@ def _launch(args) -> int:
     options += ("slot_check", "rejoin_timeout")
     where = {"run_dir": cfg.run_dir, "checkpoint_dir": cfg.checkpoint_dir} if cfg else {}
     where |= {"survivors_save": cfg.checkpoint.replica_every > 0} if cfg else {}
-    return launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options})
+    return Launch(command, args.log_dir, **where, **{name: getattr(args, name) for name in options}).run()
 
 
 def _eval(args) -> None:

@@ -16,7 +16,7 @@ import pytest
 from podtrain.config.load import load_config
 from podtrain.errors import PeerLost
 from podtrain.runtime.mesh import build_mesh
-from podtrain.tools.launch import free_port
+from podtrain.tools.slots import free_port
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.job import build
 from podtrain.train.loop import train

@@ -253,7 +253,7 @@ def test_a_half_set_environment_exits_2_before_joining():
 
 def test_missing_processes_time_out_with_the_address(tmp_path):
     """Process 1 of 2 with nobody at the coordinator: exit 2 after the init timeout, naming the address."""
-    from podtrain.tools.launch import free_port
+    from podtrain.tools.slots import free_port
 
     address = f"127.0.0.1:{free_port()}"
     env = {"JAX_COORDINATOR_ADDRESS": address, "JAX_PROCESS_COUNT": "2", "JAX_PROCESS_INDEX": "1"}
@@ -291,7 +291,7 @@ def test_torchrun_variables():
 def test_launch_training_script_joins_two_nodes(tmp_path):
     """Two "nodes" on loopback, each running scripts/launch_training.sh with its NODE_RANK: `podtrain
     doctor` on their two processes."""
-    from podtrain.tools.launch import free_port
+    from podtrain.tools.slots import free_port
 
     env = {
         **CLEAN_ENV,

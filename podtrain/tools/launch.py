@@ -24,75 +24,22 @@ start again on N. Training keeps its global batch on any count (train.grad_accum
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from podtrain import storage
 from podtrain.errors import ConfigError, PodtrainError, Preempted
+from podtrain.tools.slots import Slots, child_env, free_port, gpus_per_process, slot_env
 
 STOP_GRACE_S = 5
 CHECK_EVERY_S = 2  # between slot checks while the job runs short of slots
 SURVIVORS_S = 60  # for a training job's survivors of a loss to write the state they hold and exit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gpus_per_process(nproc: int, devices_per_proc: int | None) -> int:
-    """GPUs each local process gets; 0 on a machine without GPUs."""
-    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
-    if not gpus:
-        return 0
-    per_proc = devices_per_proc or gpus // nproc
-    if per_proc < 1 or per_proc * nproc > gpus:
-        raise ConfigError(
-            f"{nproc} processes x {devices_per_proc or per_proc} GPUs do not fit the {gpus} GPUs of this machine; "
-            "lower --nproc or --devices-per-proc."
-        )
-    return per_proc
-
-
-def slot_env(base: dict, slot: int, devices_per_proc: int | None, gpus: int) -> dict:
-    """`base` with the devices of a slot: K fake CPU devices, or its GPUs."""
-    env = dict(base)
-    if devices_per_proc:
-        # Only JAX's CPU platform reads the fake device count, so it is harmless on GPU and TPU hosts.
-        env["XLA_FLAGS"] = (
-            f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_proc}".strip()
-        )
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(slot * gpus + i) for i in range(gpus))
-    return env
-
-
-def child_env(
-    base: dict,
-    coordinator: str,
-    count: int,
-    rank: int,
-    slot: int,
-    devices_per_proc: int | None,
-    gpus: int,
-    restart: int = 0,
-) -> dict:
-    return {
-        **slot_env(base, slot, devices_per_proc, gpus),
-        "JAX_COORDINATOR_ADDRESS": coordinator,
-        "JAX_PROCESS_COUNT": str(count),
-        "JAX_PROCESS_INDEX": str(rank),
-        "PODTRAIN_RESTART": str(restart),
-        "PYTHONUNBUFFERED": "1",
-    }
 
 
 def _exit_status(code: int) -> str:
@@ -107,31 +54,6 @@ def resume_point(checkpoint_dir: str | None) -> str:
     folder = storage.path(checkpoint_dir)
     steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
     return f"step {max(steps)}, its newest checkpoint" if steps else "step 0 (no checkpoint yet)"
-
-
-class Slots:
-    """The N places of this node's processes, and which of them can run one now."""
-
-    def __init__(self, n: int, check: str | None, env_of):
-        self.n, self.check, self.env_of = n, check, env_of
-
-    def ready(self, slot: int) -> bool:
-        if not self.check:
-            return True
-        env = {**self.env_of(slot), "PODTRAIN_SLOT": str(slot)}
-        try:
-            return subprocess.run(self.check, shell=True, env=env, capture_output=True, timeout=30).returncode == 0
-        except subprocess.TimeoutExpired:
-            return False
-
-    def gather(self, timeout: float) -> list[int]:
-        """The slots ready once all are, or those ready after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ready = [slot for slot in range(self.n) if self.ready(slot)]
-            if len(ready) == self.n or time.monotonic() > deadline:
-                return ready
-            time.sleep(1)
 
 
 class _Process:
@@ -188,124 +110,152 @@ def _wait(processes: list[_Process], grow=None) -> _Process | None:
         time.sleep(0.1)
 
 
-def launch(
-    argv: list[str],
-    log_dir: str | None,
-    nproc: int,
-    devices_per_proc: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    coordinator: str | None = None,
-    max_restarts: int = 0,
-    checkpoint_dir: str | None = None,
-    run_dir: str | None = None,
-    min_nproc: int | None = None,
-    slot_check: str | None = None,
-    rejoin_timeout: float = 60,
-    survivors_save: bool = False,
-) -> int:
-    """Run `argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
-    restarting the job up to max_restarts times, on as few as min_nproc of the slots (see the
-    module's docstring; `checkpoint_dir`, where known, names the step a restart resumes from; with
+@dataclass
+class Launch:
+    """`argv` as processes node_rank * nproc ... node_rank * nproc + nproc - 1 of nnodes * nproc,
+    restarted up to max_restarts times, on as few as min_nproc of the slots (see the module's
+    docstring; `checkpoint_dir`, where known, names the step a restart resumes from; with
     `survivors_save` the others are given time to write what they hold after a loss). Each
     process's output goes to `log_dir`, by default RUN_DIR/logs of a local run and runs/launch
-    otherwise (a log grows line by line, which an object in a bucket cannot). Returns 0 when all
-    succeed, 75 when they stopped on request, else the exit status of the first to fail."""
-    min_nproc = nproc if min_nproc is None else min_nproc
-    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0 or not 1 <= min_nproc <= nproc:
-        raise ConfigError(
-            f"--nproc={nproc}, --nnodes={nnodes}, --node-rank={node_rank}, --max-restarts={max_restarts}, "
-            f"--min-nproc={min_nproc}: need nproc >= 1, nnodes >= 1, 0 <= node-rank < nnodes, max-restarts >= 0 "
-            "and 1 <= min-nproc <= nproc."
-        )
-    if nnodes > 1 and not coordinator:
-        raise ConfigError(
-            "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node can "
-            "reach (or MASTER_ADDR and MASTER_PORT)."
-        )
-    if nnodes > 1 and min_nproc < nproc:
-        raise ConfigError(
-            "--min-nproc shrinks a job on one node; across nodes, let the scheduler restart the job on the hosts "
-            "it has (docs/multihost.md shows how)."
-        )
-    gpus = gpus_per_process(nproc, devices_per_proc)
-    local_run = run_dir and not storage.is_remote(run_dir)
-    log_dir = Path(log_dir or (Path(run_dir) / "logs" if local_run else "runs/launch"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    base, lock = dict(os.environ), threading.Lock()
-    slots = Slots(nproc, slot_check, lambda slot: slot_env(base, slot, devices_per_proc, gpus))
-    print(f"[launch] {nproc} of {nnodes * nproc} processes on this node, logs in {log_dir}/", flush=True)
-    processes: list[_Process] = []  # the running attempt's
-    asked: list[int] = []
+    otherwise (a log grows line by line, which an object in a bucket cannot)."""
 
-    def forward(signum, _frame):
-        """SIGTERM or SIGINT to the launch: the processes save and stop together; asked again, they are stopped now."""
-        if asked:
-            sys.exit(128 + signum)
-        asked.append(signum)
+    argv: list[str]
+    log_dir: str | None
+    nproc: int
+    devices_per_proc: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    coordinator: str | None = None
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None
+    run_dir: str | None = None
+    min_nproc: int | None = None
+    slot_check: str | None = None
+    rejoin_timeout: float = 60
+    survivors_save: bool = False
+    processes: list[_Process] = field(default_factory=list)  # the running attempt's
+    asked: list[int] = field(default_factory=list)  # the signals that asked the job to stop
+
+    def __post_init__(self):
+        self.min_nproc = self.nproc if self.min_nproc is None else self.min_nproc
+        self.check()
+        self.gpus = gpus_per_process(self.nproc, self.devices_per_proc)
+        local_run = self.run_dir and not storage.is_remote(self.run_dir)
+        self.log_dir = Path(self.log_dir or (Path(self.run_dir) / "logs" if local_run else "runs/launch"))
+        self.base, self.lock = dict(os.environ), threading.Lock()
+        self.slots = Slots(
+            self.nproc, self.slot_check, lambda slot: slot_env(self.base, slot, self.devices_per_proc, self.gpus)
+        )
+        self.running = list(range(self.nproc))
+
+    def check(self) -> None:
+        n, nodes, rank, restarts, least = self.nproc, self.nnodes, self.node_rank, self.max_restarts, self.min_nproc
+        if n < 1 or nodes < 1 or not 0 <= rank < nodes or restarts < 0 or not 1 <= least <= n:
+            raise ConfigError(
+                f"--nproc={n}, --nnodes={nodes}, --node-rank={rank}, --max-restarts={restarts}, "
+                f"--min-nproc={least}: need nproc >= 1, nnodes >= 1, 0 <= node-rank < nnodes, max-restarts >= 0 "
+                "and 1 <= min-nproc <= nproc."
+            )
+        if nodes > 1 and not self.coordinator:
+            raise ConfigError(
+                "A launch over several nodes needs --coordinator HOST:PORT, an address of node 0 that every node "
+                "can reach (or MASTER_ADDR and MASTER_PORT)."
+            )
+        if nodes > 1 and least < n:
+            raise ConfigError(
+                "--min-nproc shrinks a job on one node; across nodes, let the scheduler restart the job on the "
+                "hosts it has (docs/multihost.md shows how)."
+            )
+
+    def run(self) -> int:
+        """0 when all succeed, 75 when they stopped on request, else the exit status of the first to fail."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         print(
-            f"[launch] {signal.Signals(signum).name}: asking the processes to save and "
-            "stop (again to stop them at once)",
-            file=sys.stderr,
+            f"[launch] {self.nproc} of {self.nnodes * self.nproc} processes on this node, logs in {self.log_dir}/",
             flush=True,
         )
-        for p in processes:
+        signal.signal(signal.SIGTERM, self.forward)
+        signal.signal(signal.SIGINT, self.forward)
+        attempt, restart = 0, 0
+        try:
+            while True:
+                self.start(attempt)
+                failed = _wait(self.processes, self.back if len(self.running) < self.nproc else None)
+                codes = [p.popen.returncode for p in self.processes]
+                if (
+                    failed is None
+                    and len(self.running) < self.nproc
+                    and Preempted.exit_code in codes
+                    and not self.asked
+                ):
+                    self.processes.clear()  # saved and stopped to grow
+                    self.running, attempt = self.slots.gather(0), attempt + 1
+                    say(f"restarting the job on {len(self.running)} processes from {resume_point(self.checkpoint_dir)}")
+                    continue
+                if failed is None:  # all done, or all stopped after saving at the same step
+                    return Preempted.exit_code if Preempted.exit_code in codes else 0
+                if (code := self.after_failure(failed, restart)) is not None:
+                    return code
+                restart, attempt = restart + 1, attempt + 1
+                say(
+                    f"restarting the job on {len(self.running)} processes from {resume_point(self.checkpoint_dir)} "
+                    f"(restart {restart} of {self.max_restarts}, {self.max_restarts - restart} left)"
+                )
+        finally:
+            _stop(self.processes)
+
+    def start(self, attempt: int) -> None:
+        """The attempt's processes, one per running slot, on a fresh coordinator port (the old one may linger)."""
+        address = self.coordinator or f"127.0.0.1:{free_port()}"
+        count = self.nnodes * len(self.running)  # fewer than nproc only on one node
+        for index, slot in enumerate(self.running):
+            rank = self.node_rank * self.nproc + index
+            env = child_env(self.base, address, count, rank, slot, self.devices_per_proc, self.gpus, attempt)
+            log = self.log_dir / f"process_{rank}.log"
+            self.processes.append(_Process(self.argv, env, rank, log, self.lock, attempt > 0))
+            print(f"[launch] process {rank}: pid {self.processes[-1].popen.pid}, coordinator {address}", flush=True)
+
+    def after_failure(self, failed: _Process, restart: int) -> int | None:
+        """The launch's exit status where a failure ends it, else None, the job stopped and its slots
+        gathered for the next attempt."""
+        code, left = failed.popen.returncode, self.max_restarts - restart
+        status = code if code > 0 else 128 - code
+        if code == PodtrainError.exit_code or self.asked or not left:
+            spent = "; no restart left" if self.max_restarts and not left else ""
+            say(f"process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other processes")
+            return status
+        deadline = time.monotonic() + (SURVIVORS_S if self.survivors_save else 0)
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self.processes):
+            time.sleep(0.1)
+        _stop(self.processes, grace=0)  # the others cannot finish a step without it
+        self.processes.clear()
+        say(f"process {failed.rank} ended with {_exit_status(code)}")
+        if self.min_nproc < self.nproc:
+            self.running = self.slots.gather(self.rejoin_timeout)
+            if len(self.running) < self.min_nproc:
+                say(
+                    f"{len(self.running)} of {self.nproc} slots can run a process after {self.rejoin_timeout:g} s, "
+                    f"fewer than --min-nproc={self.min_nproc}; giving up"
+                )
+                return status
+        return None
+
+    def forward(self, signum, _frame) -> None:
+        """SIGTERM or SIGINT to the launch: the processes save and stop together; asked again, they are stopped now."""
+        if self.asked:
+            sys.exit(128 + signum)
+        self.asked.append(signum)
+        say(f"{signal.Signals(signum).name}: asking the processes to save and stop (again to stop them at once)")
+        for p in self.processes:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
 
-    def back() -> bool:
-        returned = [slot for slot in range(nproc) if slot not in running and slots.ready(slot)]
+    def back(self) -> bool:
+        """Whether a slot the job runs without can run a process again (then the job saves and grows)."""
+        returned = [slot for slot in range(self.nproc) if slot not in self.running and self.slots.ready(slot)]
         if returned:
             say(f"slot {', '.join(map(str, returned))} can run a process again; the job saves and grows")
         return bool(returned)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    running, attempt, restart = list(range(nproc)), 0, 0
-    try:
-        while True:
-            address = coordinator or f"127.0.0.1:{free_port()}"  # a fresh port: the old one may linger
-            count = nnodes * len(running)  # fewer than nproc only on one node
-            for index, slot in enumerate(running):
-                rank = node_rank * nproc + index
-                env = child_env(base, address, count, rank, slot, devices_per_proc, gpus, attempt)
-                processes.append(_Process(argv, env, rank, log_dir / f"process_{rank}.log", lock, attempt > 0))
-                print(f"[launch] process {rank}: pid {processes[-1].popen.pid}, coordinator {address}", flush=True)
-            failed = _wait(processes, back if len(running) < nproc else None)
-            codes = [p.popen.returncode for p in processes]
-            if failed is None and len(running) < nproc and Preempted.exit_code in codes and not asked:
-                processes.clear()  # saved and stopped to grow
-                running, attempt = slots.gather(0), attempt + 1
-                say(f"restarting the job on {len(running)} processes from {resume_point(checkpoint_dir)}")
-                continue
-            if failed is None:  # all done, or all stopped after saving at the same step
-                return Preempted.exit_code if Preempted.exit_code in codes else 0
-            code, left = failed.popen.returncode, max_restarts - restart
-            if code == PodtrainError.exit_code or asked or not left:
-                spent = "; no restart left" if max_restarts and not left else ""
-                say(f"process {failed.rank} ended with {_exit_status(code)}{spent}; stopping the other processes")
-                return code if code > 0 else 128 - code
-            deadline = time.monotonic() + (SURVIVORS_S if survivors_save else 0)
-            while time.monotonic() < deadline and any(p.popen.poll() is None for p in processes):
-                time.sleep(0.1)
-            _stop(processes, grace=0)  # the others cannot finish a step without it
-            processes.clear()
-            say(f"process {failed.rank} ended with {_exit_status(code)}")
-            if min_nproc < nproc:
-                running = slots.gather(rejoin_timeout)
-                if len(running) < min_nproc:
-                    say(
-                        f"{len(running)} of {nproc} slots can run a process after {rejoin_timeout:g} s, fewer than "
-                        f"--min-nproc={min_nproc}; giving up"
-                    )
-                    return code if code > 0 else 128 - code
-            restart, attempt = restart + 1, attempt + 1
-            say(
-                f"restarting the job on {len(running)} processes from {resume_point(checkpoint_dir)} "
-                f"(restart {restart} of {max_restarts}, {left - 1} left)"
-            )
-    finally:
-        _stop(processes)
 
 
 def say(line: str) -> None:
