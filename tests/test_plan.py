@@ -4,6 +4,7 @@ its FLOP count against the model's formula, TPU targets through libtpu, and the 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -332,3 +333,21 @@ def test_splash_compiles_for_tpu_and_keeps_scores_off_hbm():
     splash, xla = plan.plan(cfg, target), plan.plan(fit.changed(cfg, {"model.attention": "xla"}), target)
     assert splash.cfg.model.attention == "splash" and splash.fits
     assert splash.memory.temporaries < xla.memory.temporaries and splash.traffic < xla.traffic
+
+
+@needs_cuda_compiler
+def test_windowed_layers_run_cudnn_on_a_gpu():
+    """A Gemma-style stack of sliding and global layers takes cuDNN's fused attention on an H100
+    (`auto`), each layer with its own window (local_window_size): the compiled step holds cuDNN's
+    attention forward and backward and none of XLA's score matmuls."""
+    windows = ["model.sliding_window=64", "model.full_attention_layers=[3]", "model.qk_norm=true"]
+    cfg = load_config(CONFIGS / "tiny.yaml", [*windows, "model.scan_unroll=1", "train.batch_size=4"])
+    target = hardware.target("h100")
+    resolved = plan.for_target(cfg, target)
+    assert resolved.model.attention == "cudnn"
+    _, compiled = fit.measure(build(resolved, build_mesh(resolved.mesh, target.devices), data=False), 80 * 2**30)
+    text = compiled.as_text()
+    assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text and "fmhaSoftmaxBackward" in text
+    assert "bktgs" not in text and "btkgh,bskh" not in text  # the xla path's einsums, named in its metadata
+    windows = set(re.findall(r'"sliding_window_length": ?(\d+)', text))
+    assert windows == {"0", "64"}  # a kernel per kind of layer, chosen by each layer's window

@@ -136,9 +136,12 @@ def attention_refusal(cfg: Config, kernel: str) -> str | None:
             f"{packed_apart} keeps attention inside documents by their segment ids, which {core.label} "
             "does not take; use model.attention=xla (or auto, which does), or data.pack=concat."
         )
-    options = (("sliding_window", core.windows), ("attn_softcap", core.softcap))
-    if lacking := [f"model.{k}={getattr(m, k)}" for k, taken in options if not taken and getattr(m, k, 0)]:
-        return f"{' and '.join(lacking)}: {core.label} takes no sliding window or soft-cap; use model.attention=xla."
+    options = (("sliding_window", core.windows, "sliding window"), ("attn_softcap", core.softcap, "soft-cap"))
+    if lacking := [
+        (f"model.{k}={getattr(m, k)}", what) for k, taken, what in options if not taken and getattr(m, k, 0)
+    ]:
+        keys, what = " and ".join(k for k, _ in lacking), " or ".join(w for _, w in lacking)
+        return f"{keys}: {core.label} takes no {what}; use model.attention=xla (or auto)."
     return None
 
 

@@ -30,7 +30,7 @@ class Core:
 CORES = {
     core.name: core
     for core in (
-        Core("cudnn", "cuDNN's fused attention", ("gpu",), False, False, False, False, (), 1, ("bfloat16",), 128),
+        Core("cudnn", "cuDNN's fused attention", ("gpu",), False, True, False, False, (), 1, ("bfloat16",), 128),
         Core("splash", "the splash kernel", ("tpu",), True, True, True, True, ("all_gather",), SPLASH_BLOCK),
         Core("xla", "XLA's attention", ("cpu", "gpu", "tpu"), True, True, True, True, ("all_gather", "ring")),
     )

@@ -113,17 +113,33 @@ class Attention(nnx.Module):
             return y
         return constrain(y + (jnp.repeat(term, copies, axis=2) if copies > 1 else term), axes)
 
-    def splash(self, q, k, v, segments, window, order=None) -> jax.Array:
-        """The splash kernel with this layer's window: its mask is static, so a stack whose layers
-        differ in window runs the kernel of each (lax.switch on the layer's own)."""
-        kernels = [
-            partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w, order=order)
-            for w in (self.windows if window is not None else (0,))
-        ]
+    def by_window(self, kernel, window, *args) -> jax.Array:
+        """A kernel whose window is static (`kernel(w)` -> a function of q, k, v) on this layer's
+        window: a stack whose layers differ in window runs the kernel of each (lax.switch on the
+        layer's own)."""
+        kernels = [kernel(w) for w in (self.windows if window is not None else (0,))]
         if len(kernels) == 1:
-            return kernels[0](q, k, v, segments=segments)
-        pick = jnp.argmax(jnp.asarray(self.windows) == window)
-        return jax.lax.switch(pick, [partial(run, segments=segments) for run in kernels], q, k, v)
+            return kernels[0](*args)
+        return jax.lax.switch(jnp.argmax(jnp.asarray(self.windows) == window), kernels, *args)
+
+    def splash(self, q, k, v, segments, window, order=None) -> jax.Array:
+        def kernel(w):
+            run = partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w)
+            return partial(run, order=order, segments=segments)
+
+        return self.by_window(kernel, window, q, k, v)
+
+    def cudnn(self, q, k, v, window) -> jax.Array:
+        """cuDNN's fused attention: no segments or soft-caps (config/checks.py refuses them); a
+        window w is its local_window_size (w - 1 keys before the query)."""
+
+        def kernel(w):
+            sight = {"local_window_size": (w - 1, 0)} if w else {}
+            return partial(
+                jax.nn.dot_product_attention, scale=self.scale, is_causal=self.causal, implementation="cudnn", **sight
+            )
+
+        return self.by_window(kernel, window, q, k, v)
 
     def output(self, out_BTNH: jax.Array) -> jax.Array:
         out = ops.dot("btnh,nhd->btd", out_BTNH, self.wo[...], self.dtype)
@@ -159,8 +175,8 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 softcap=self.softcap,
             )
-        elif self.implementation == "cudnn":  # no segments or windows: config/checks.py refuses them
-            out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal, implementation="cudnn")
+        elif self.implementation == "cudnn":
+            out = self.cudnn(q, k, v, window)
         else:
             pair = None if segments is None else (segments, segments)
             out = grouped_attention(q, k, v, self.causal, self.scale, self.softcap, segments=pair, window=window)
