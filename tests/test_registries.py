@@ -101,7 +101,7 @@ def test_the_sweep_table_has_a_column_per_axis():
 
 def test_rope_scalings_read_and_written_are_the_configs_choices():
     choices = typing.get_args(typing.get_type_hints(LlamaConfig)["rope_scaling"])
-    assert choices == ("none", *ROPE_SCALINGS)
+    assert choices == ("none", *ROPE_SCALINGS) == tuple(llama.ROPE_SCALINGS)  # read, written and computed
     for kind, keys in ROPE_SCALINGS.items():
         assert set(keys) <= set(LlamaConfig.__dataclass_fields__), kind
 

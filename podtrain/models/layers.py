@@ -124,32 +124,39 @@ class Yarn:
         return inv_freq / self.factor * ramp + inv_freq * (1 - ramp), attention
 
 
-def rope_tables(
-    positions,
-    head_dim: int,
-    theta: float,
-    llama3: tuple[float, float, float, int] | None = None,
-    linear: float | None = None,
-    yarn: Yarn | None = None,
-) -> tuple[jax.Array, jax.Array]:
+@dataclass(frozen=True)
+class Linear:
+    """Every frequency divided by `factor` (transformers' "linear" rope type)."""
+
+    factor: float
+
+    def __call__(self, inv_freq: jax.Array, theta: float) -> tuple[jax.Array, float]:
+        return inv_freq / self.factor, 1.0
+
+
+@dataclass(frozen=True)
+class Llama3:
+    """Llama 3's stretch for its longer context: wavelengths longer than original / low turns
+    divided by `factor`, shorter than original / high kept, smoothly between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_len: int
+
+    def __call__(self, inv_freq: jax.Array, theta: float) -> tuple[jax.Array, float]:
+        low, high = self.low_freq_factor, self.high_freq_factor
+        smooth = jnp.clip((self.original_max_len * inv_freq / (2 * jnp.pi) - low) / (high - low), 0.0, 1.0)
+        return (1 - smooth) * inv_freq / self.factor + smooth * inv_freq, 1.0
+
+
+def rope_tables(positions, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
     """cos and sin of shape (..., head_dim // 2) for rotary position embeddings at `positions`
-    (an int n: 0..n-1; or an array, (seq,) or (batch, seq)). `llama3` = (factor,
-    low_freq_factor, high_freq_factor, original_max_len) stretches the long wavelengths as Llama 3
-    does for its longer context; `linear` divides every frequency by that factor; `yarn` stretches
-    them as YaRN does."""
+    (an int n: 0..n-1; or an array, (seq,) or (batch, seq)). `scaling` (Linear, Llama3, Yarn: the
+    inverse frequencies and theta -> stretched ones and a factor on cos and sin) stretches them
+    for a longer context."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    attention = 1.0
-    if linear is not None:  # positions divided by the factor (transformers' "linear" rope type)
-        inv_freq = inv_freq / linear
-    if llama3 is not None:
-        factor, low, high, original = llama3
-        wavelen = 2 * jnp.pi / inv_freq
-        smooth = jnp.clip(
-            (original / wavelen - low) / (high - low), 0.0, 1.0
-        )  # 0 beyond original / low, 1 below original / high
-        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    if yarn is not None:
-        inv_freq, attention = yarn(inv_freq, theta)
+    inv_freq, attention = (inv_freq, 1.0) if scaling is None else scaling(inv_freq, theta)
     positions = jnp.arange(positions) if isinstance(positions, int) else positions
     angles = positions.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
     if attention == 1.0:

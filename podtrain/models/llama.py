@@ -15,6 +15,8 @@ from podtrain.models.layers import (
     ACT,
     HEAD,
     TABLE,
+    Linear,
+    Llama3,
     RMSNorm,
     SwiGLU,
     Yarn,
@@ -123,6 +125,24 @@ def latent_attention(cfg: LlamaConfig, std: float, out_std: float, dtype, rngs: 
         scale=cfg.latent_scale,
         implementation=cfg.attention,
     )
+
+
+# model.rope_scaling -> the stretch of the rotary frequencies it names (layers.rope_tables)
+ROPE_SCALINGS = {
+    "none": lambda cfg: None,
+    "llama3": lambda cfg: Llama3(
+        cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+    ),
+    "linear": lambda cfg: Linear(cfg.rope_factor),
+    "yarn": lambda cfg: Yarn(
+        cfg.rope_factor,
+        cfg.rope_original_max_len,
+        cfg.rope_beta_fast,
+        cfg.rope_beta_slow,
+        cfg.rope_attention_factor,
+        cfg.rope_truncate,
+    ),
+}
 
 
 def layer_rope(rope, window):
@@ -246,26 +266,8 @@ class Llama(nnx.Module):
     def rope(self, positions):
         """cos and sin tables at `positions`; with model.rope_local_theta, {"full": ..., "sliding": ...}."""
         cfg = self.cfg
-        llama3 = (
-            (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len)
-            if cfg.rope_scaling == "llama3"
-            else None
-        )
-        linear = cfg.rope_factor if cfg.rope_scaling == "linear" else None
-        yarn = (
-            Yarn(
-                cfg.rope_factor,
-                cfg.rope_original_max_len,
-                cfg.rope_beta_fast,
-                cfg.rope_beta_slow,
-                cfg.rope_attention_factor,
-                cfg.rope_truncate,
-            )
-            if cfg.rope_scaling == "yarn"
-            else None
-        )
         rotary = cfg.rotary_dims
-        full = rope_tables(positions, rotary, cfg.rope_theta, llama3, linear, yarn)
+        full = rope_tables(positions, rotary, cfg.rope_theta, ROPE_SCALINGS[cfg.rope_scaling](cfg))
         if not cfg.rope_local_theta:
             return full
         return {"full": full, "sliding": rope_tables(positions, rotary, cfg.rope_local_theta)}
