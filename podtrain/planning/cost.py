@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from podtrain.models.experts import ROWS_SCOPE
 from podtrain.planning import hlo
 
 # Operations that move no data of their own: they name, alias or control.
@@ -37,6 +38,7 @@ _ALLOCATION = re.compile(r'custom_call_target="AllocateBuffer"')
 _FRAME = re.compile(r"\bstack_frame_id=(\d+)")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _SECTION_ROW = re.compile(r"^(\d+) (.*)$")
+_ROWS = re.compile(r'op_name="[^"]*' + ROWS_SCOPE + r"(\d+)_of_(\d+)")
 
 
 def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
@@ -91,9 +93,15 @@ def _matmul_macs(line: str, op: str, operands: list[str], result: str, shapes: d
 
 def _kernel_cost(line: str) -> tuple[int, int] | None:
     """(FLOPs, bytes accessed) a Pallas kernel's custom call declares (its CostEstimate), if any:
-    its matmuls are inside the kernel, where no dot instruction shows them."""
+    its matmuls are inside the kernel, where no dot instruction shows them. A grouped matmul
+    declares every row it was given, room included; one whose name scope says it runs R of its M
+    rows (`models.experts.grouped_matmul`) counts R / M of both, its costs being the rows'."""
     found = _KERNEL_COST.search(line)
-    return (int(found.group(1)), int(found.group(2))) if found else None
+    if not found:
+        return None
+    rows = _ROWS.search(line)
+    share = int(rows.group(1)) / int(rows.group(2)) if rows else 1
+    return round(int(found.group(1)) * share), round(int(found.group(2)) * share)
 
 
 def _flops(line: str, op: str, operands: list[str], result: str, shapes: dict) -> int:
