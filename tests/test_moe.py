@@ -312,7 +312,7 @@ def test_experts_compile_for_tpu_with_the_ragged_exchange_and_the_megablox_kerne
     `expert` moving the device's routed copies each way (rows sent, not the receiver's room), and
     no all-gather carries tokens. The kernels declare the cost of their room (4 x 2 of each
     shard's 2 experts' copies); counted at the rows they run, the step's matmuls come to under
-    1.6x the model's FLOPs (remat's recomputation included), where the room would make it over 3x."""
+    1.6x the model's FLOPs (remat's recomputation included), 2.8x as many counted at the room."""
     from podtrain.planning import plan
     from podtrain.planning import targets as hardware
 
@@ -333,6 +333,26 @@ def test_experts_compile_for_tpu_with_the_ragged_exchange_and_the_megablox_kerne
     assert ragged == 2 * 2 * 2 * copies, ragged  # 2 layers, each way, forward and backward (not recomputed)
     assert p.collectives["all-gather"] < copies / 2, p.collectives
     assert p.matmul_flops * len(target.devices) < 1.6 * p.flops_per_step
+
+
+def test_sweep_tries_expert_sizes_for_a_model_with_experts(monkeypatch):
+    """`plan --sweep` of 4 experts on 8 devices plans every data x fsdp x expert x tensor of 8
+    but expert=8, which the config check refuses (19 shapes, 3 remat policies each)."""
+    from types import SimpleNamespace
+
+    from podtrain.planning import plan
+    from podtrain.planning import targets as hardware
+
+    planned = []
+
+    def record(cfg, target, remedy=True):
+        planned.append(tuple(getattr(cfg.mesh, a) for a in ("data", "fsdp", "expert", "tensor")))
+        return SimpleNamespace(fits=True, tokens_per_sec=1.0)
+
+    monkeypatch.setattr(plan, "plan", record)
+    rows = plan.sweep(load_config(None, [*SMALL, *MOE]), hardware.target("cpu:8"))
+    assert len(planned) == 3 * 19 and {shape[2] for shape in planned} == {1, 2, 4}
+    assert sum(isinstance(p, str) and "divisor of the experts" in p for _, p in rows) == 3
 
 
 def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
