@@ -281,10 +281,12 @@ ENTRY %main (x: bf16[64,8], room: bf16[256,8], o: s32[4], s: s32[4], w: bf16[2,8
 
 
 def test_a_ragged_all_to_all_moves_its_rows_and_a_grouped_matmul_costs_the_rows_it_runs():
-    """A ragged all-to-all counts the rows it sends (64), not the receiver's room for 256; a
+    """A ragged all-to-all counts the rows it sends (64), not the receiver's room for 256, on the
+    network and in device memory; a
     grouped matmul given 256 rows of which a balanced routing fills 64 counts a quarter of the
     FLOPs and bytes its kernel declares."""
     (found,) = hlo.collectives(RAGGED_AND_KERNEL)
     assert found.kind == "ragged-all-to-all" and found.bytes == 64 * 8 * 2
-    (gmm,) = [o for o in cost.operations(RAGGED_AND_KERNEL) if o.op == "custom-call"]
-    assert (gmm.flops, gmm.bytes) == (65536 // 4, 12288 // 4)
+    ops = {o.op: o for o in cost.operations(RAGGED_AND_KERNEL)}
+    assert (ops["custom-call"].flops, ops["custom-call"].bytes) == (65536 // 4, 12288 // 4)
+    assert ops["ragged-all-to-all"].bytes == 2 * 64 * 8 * 2  # the rows it reads and writes

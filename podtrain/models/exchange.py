@@ -9,7 +9,8 @@ moves is the copies themselves, each way. `by_capacity`: a fixed buffer of `capa
 expert and sequence, filled in queue order (`queue_places`) and swapped whole (`exchange`, any
 platform, CPU included); copies past the capacity are dropped, and an empty slot moves too.
 Either one calls `run(rows (R, D), sizes (E / n,))` with the rows sorted by this shard's experts,
-`sizes` rows each (rows past their sum are room, zeros), for the outputs of those rows.
+`sizes` rows each, for the outputs of those rows; rows past their sum are room, whose outputs
+are never read.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from podtrain.models.exchange import by_capacity, by_ragged, queue_places
-from podtrain.models.layers import ACT, SwiGLU, param, swiglu
+from podtrain.models.layers import ACT, SwiGLU, param
 from podtrain.sharding import constrain, exchanges_ragged, gather, per_shard, shards_along, sum_over
 
 EXPERT_IN, EXPERT_OUT = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")  # (E, D, F) and (E, F, D)
@@ -76,18 +76,18 @@ def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Ar
 
 
 def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool = False, rows: int = 0) -> jax.Array:
-    """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N);
-    rows past the groups give zeros. megablox (TPU; `interpret` runs it on a CPU) visits only
-    the groups' rows, where XLA's ragged_dot may compute every row for every group. `rows` (0: m):
-    the rows a balanced routing fills, where lhs keeps room for more; the kernel declares the cost
-    of all m, and its name scope tells the plan (`planning.cost`) the share it really runs."""
+    """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N).
+    Rows past the groups are room nobody reads: ragged_dot gives zeros there, megablox (TPU;
+    `interpret` runs it on a CPU) leaves them unwritten, forward and backward, and visits only
+    the groups' rows, where XLA's ragged_dot may compute every row for every group; masking the
+    room would pass over all of it, which is most of an expert-parallel step's memory traffic.
+    `rows` (0: m): the rows a balanced routing fills; the kernel declares the cost of all m, and
+    its name scope tells the plan (`planning.cost`) the share it really runs."""
     if kernel != "megablox":  # ragged_dot, or auto where no platform resolved it
         return jax.lax.ragged_dot(lhs, rhs, sizes)
-    grouped = jnp.arange(len(lhs))[:, None] < sizes.sum()  # rows the kernel never writes, forward or backward
     tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
     with jax.named_scope(f"{ROWS_SCOPE}{min(rows or len(lhs), len(lhs))}_of_{len(lhs)}"):
-        out = megablox.gmm(jnp.where(grouped, lhs, 0), rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
-    return jnp.where(grouped, out, 0)
+        return megablox.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
 
 
 # megablox's (rows, contraction, output) tile, as MaxText's defaults: each tile of rows is read
@@ -98,12 +98,12 @@ ROWS_SCOPE = "expert_rows_"  # expert_rows_R_of_M: a grouped matmul given M rows
 
 
 def grouped_mlp(xs, sizes, w_in, w_down, kernel: str = "ragged_dot", rows: int = 0) -> jax.Array:
-    """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum give
-    zeros), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul` (`rows`: its)."""
-    e, d, _, f = w_in.shape
-    gate_up = grouped_matmul(checkpoint_name(xs, KEPT[0]), w_in.reshape(e, d, 2 * f), sizes, kernel, rows=rows)
-    gate_up = checkpoint_name(gate_up, KEPT[1])
-    return grouped_matmul(swiglu(gate_up.reshape(-1, 2, f)), w_down, sizes, kernel, rows=rows)
+    """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum are
+    room, never read), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`. The
+    gate and up projections run apart: an (m, 2, F) result would be laid out again, room and all."""
+    xs = checkpoint_name(xs, KEPT[0])
+    gate, up = (checkpoint_name(grouped_matmul(xs, w_in[:, :, i], sizes, kernel, rows=rows), KEPT[1]) for i in (0, 1))
+    return grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, rows=rows)
 
 
 def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacity: int = 0):

@@ -275,6 +275,8 @@ def operations(text: str) -> list[Operation]:
                 moved = 0
             elif op in _SLICES:
                 moved = 2 * size
+            elif op == "ragged-all-to-all":  # reads the rows it sends, writes as many: not its room
+                moved = 2 * min(size, sizes.get(operands[0], size))
             elif op == "dynamic-update-slice":
                 moved = 2 * sizes.get(operands[1], 0)
             elif op in _NO_TRAFFIC or (op == "custom-call" and _ALLOCATION.search(line)):
