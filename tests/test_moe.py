@@ -306,6 +306,15 @@ def test_the_megablox_kernel_computes_what_ragged_dot_does():
     np.testing.assert_allclose(mine_grads[1], xla_grads[1], atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", ["ragged_dot", "megablox"])
+def test_equal_groups_are_a_batched_matmul(kernel):
+    """Groups of one size given as an int (the capacity exchange's full slots) compute what
+    ragged_dot does with those sizes."""
+    lhs, rhs = jax.random.normal(jax.random.key(0), (3 * 128, 128)), jax.random.normal(jax.random.key(1), (3, 128, 128))
+    mine = grouped_matmul(lhs, rhs, 128, kernel, interpret=True)
+    np.testing.assert_allclose(mine, jax.lax.ragged_dot(lhs, rhs, jnp.full((3,), 128)), atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.integration
 @needs_libtpu
 def test_experts_compile_for_tpu_with_the_ragged_exchange_and_the_megablox_kernel():

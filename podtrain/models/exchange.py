@@ -8,9 +8,9 @@ outputs back the same way.
 moves is the copies themselves, each way. `by_capacity`: a fixed buffer of `capacity` slots per
 expert and sequence, filled in queue order (`queue_places`) and swapped whole (`exchange`, any
 platform, CPU included); copies past the capacity are dropped, and an empty slot moves too.
-Either one calls `run(rows (R, D), sizes (E / n,))` with the rows sorted by this shard's experts,
-`sizes` rows each, for the outputs of those rows; rows past their sum are room, whose outputs
-are never read.
+Either one calls `run(rows (R, D), sizes (E / n,) or one int for all)` with the rows sorted by
+this shard's experts, `sizes` rows each, for the outputs of those rows; rows past their sum are
+room, whose outputs are never read.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def by_capacity(x: jax.Array, chosen: jax.Array, places: jax.Array, experts: int
     to = buffer[:, :-1].reshape(b, n, local, capacity, d).transpose(1, 2, 0, 3, 4)
     arrived = exchange(to, "exp").transpose(1, 0, 2, 3, 4)  # (experts, source, B, C, D)
     per_expert = n * b * capacity
-    out = run(arrived.reshape(local * per_expert, d), jnp.full((local,), per_expert, jnp.int32))
+    out = run(arrived.reshape(local * per_expert, d), per_expert)  # every expert's slots full
     out = exchange(out.reshape(local, n, b, capacity, -1).transpose(1, 0, 2, 3, 4), "exp")
     out = out.transpose(2, 0, 1, 3, 4).reshape(b, experts * capacity, -1)
     return jnp.concatenate([out, jnp.zeros_like(out[:, :1])], axis=1)[sequence, slot]

@@ -82,7 +82,12 @@ def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool 
     the groups' rows, where XLA's ragged_dot may compute every row for every group; masking the
     room would pass over all of it, which is most of an expert-parallel step's memory traffic.
     `rows` (0: m): the rows a balanced routing fills; the kernel declares the cost of all m, and
-    its name scope tells the plan (`planning.cost`) the share it really runs."""
+    its name scope tells the plan (`planning.cost`) the share it really runs. `sizes` an int: every
+    group that many rows, a batched matmul (where ragged_dot would compute every row per group)."""
+    if isinstance(sizes, int) and kernel != "megablox":
+        return jnp.einsum("gmk,gkn->gmn", lhs.reshape(len(rhs), sizes, -1), rhs).reshape(len(lhs), -1)
+    if isinstance(sizes, int):
+        sizes = jnp.full((len(rhs),), sizes, jnp.int32)
     if kernel != "megablox":  # ragged_dot, or auto where no platform resolved it
         return jax.lax.ragged_dot(lhs, rhs, sizes)
     tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
