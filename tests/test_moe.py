@@ -30,7 +30,7 @@ from podtrain.train.metrics import read_metrics
 from podtrain.train.state import model_fns
 from podtrain.train.tasks.language import next_token_loss
 
-from helpers import SMALL, needs_libtpu, run_steps, trainer
+from helpers import SMALL, needs_cuda_compiler, needs_libtpu, run_steps, trainer
 
 MOE = ["model.name=moe", "model.experts=4", "model.experts_per_token=2", "model.expert_d_ff=32"]
 
@@ -364,6 +364,25 @@ def test_sweep_tries_expert_sizes_for_a_model_with_experts(monkeypatch):
     rows = plan.sweep(load_config(None, [*SMALL, *MOE]), hardware.target("cpu:8"))
     assert len(planned) == 3 * 19 and {shape[2] for shape in planned} == {1, 2, 4}
     assert sum(isinstance(p, str) and "divisor of the experts" in p for _, p in rows) == 3
+
+
+@pytest.mark.integration
+@needs_cuda_compiler
+def test_experts_compile_for_a_gpu_with_the_ragged_exchange():
+    """Ahead of time for an H100 x 8 as data=2 x expert=4: the copies travel by ragged
+    all-to-alls along `expert` (the GPU runs them), and no all-gather carries tokens."""
+    from podtrain.planning import plan
+    from podtrain.planning import targets as hardware
+
+    cfg = load_config(
+        None,
+        [*SMALL, *MOE, "model.experts=8", "model.d_model=128", "model.expert_d_ff=128", "train.seq_len=256"]
+        + ["model.max_seq_len=256", "mesh.data=2", "mesh.expert=4", "device_type=gpu"],
+    )
+    p = plan.plan(plan.for_target(cfg, hardware.target("h100x8")), hardware.target("h100x8"), remedy=False)
+    copies = 8 * 256 // 8 * 2 * 128 * 2  # tokens per device x k x d_model x bfloat16
+    assert p.fits and p.collectives["ragged-all-to-all"] >= 2 * 2 * 2 * copies, p.collectives
+    assert p.collectives["all-gather"] < copies / 2, p.collectives
 
 
 def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
