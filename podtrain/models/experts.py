@@ -27,8 +27,9 @@ from podtrain.models.layers import ACT, SwiGLU, param
 from podtrain.sharding import constrain, exchanges_ragged, gather, per_shard, shards_along, sum_over
 
 EXPERT_IN, EXPERT_OUT = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")  # (E, D, F) and (E, F, D)
-# What the backward of the experts keeps: their tokens and hidden layer. The rest (the sort, the
-# gathered weights) it computes again.
+# What the backward of the experts keeps: the token copies that reached them (so the exchange is not
+# run again) and their gate and up projections. The rest (the sort, the gathered weights) it
+# computes again.
 KEPT = ("expert_tokens", "expert_gate_up")
 
 
@@ -112,8 +113,8 @@ def grouped_mlp(xs, sizes, w_in, w_down, kernel: str = "ragged_dot", rows: int =
 
 
 def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacity: int = 0):
-    """(outputs (B, T, k, D), kept (B, T, k) bool) of each copy of tokens x (B, T, D) through its chosen (B, T, k)
-    experts, run on each device's own tokens. With the experts split over `mesh.expert`, each copy
+    """(outputs (B, T, k, D), kept (B, T, k) bool) of each copy of tokens x (B, T, D) through its
+    chosen (B, T, k) experts, run on each device's own tokens. With the experts split over `mesh.expert`, each copy
     travels only to the shard holding its expert and back (`exchange`): dropless by a ragged
     all-to-all where the platform has one, else (and with a `capacity` per expert and sequence,
     0: none) by fixed buffers. The experts' hidden layer stays split over tensor (Megatron: one
