@@ -105,11 +105,13 @@ ROWS_SCOPE = "expert_rows_"  # expert_rows_R_of_M: a grouped matmul given M rows
 
 def grouped_mlp(xs, sizes, w_in, w_down, kernel: str = "ragged_dot", rows: int = 0) -> jax.Array:
     """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum are
-    room, never read), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`. The
-    gate and up projections run apart: an (m, 2, F) result would be laid out again, room and all."""
-    xs = checkpoint_name(xs, KEPT[0])
-    gate, up = (checkpoint_name(grouped_matmul(xs, w_in[:, :, i], sizes, kernel, rows=rows), KEPT[1]) for i in (0, 1))
-    return grouped_matmul(jax.nn.silu(gate) * up, w_down, sizes, kernel, rows=rows)
+    room, never read), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`. Gate
+    and up are one (m, 2F) product taken apart by slices: an (m, 2, F) one would be laid out again,
+    room and all, and two products would add their gradients over the room."""
+    e, d, _, f = w_in.shape
+    gate_up = grouped_matmul(checkpoint_name(xs, KEPT[0]), w_in.reshape(e, d, 2 * f), sizes, kernel, rows=rows)
+    gate_up = checkpoint_name(gate_up, KEPT[1])
+    return grouped_matmul(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], w_down, sizes, kernel, rows=rows)
 
 
 def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacity: int = 0):
@@ -127,7 +129,7 @@ def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacit
     kept = places < capacity if capacity else jnp.ones(chosen.shape, bool)
     capacity = capacity or t  # dropless: a sequence gives an expert at most a copy of each token
 
-    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*KEPT))
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*KEPT), prevent_cse=False)
     def on_shard(x, chosen, w_in, w_down, places=None):
         w_in, w_down = gather(w_in, "embed", 1), gather(w_down, "embed", 2)
         bl, tl, _ = chosen.shape
