@@ -234,6 +234,29 @@ def sum_over(x: jax.Array, name: str) -> jax.Array:
     return jax.lax.psum(x, over) if over else x
 
 
+def exchange(x: jax.Array, name: str) -> jax.Array:
+    """Inside `per_shard`: x (n, ...), whose slice i is for shard i along logical axis `name`, ->
+    (n, ...), whose slice i came from shard i (an all-to-all over that name's mesh axes)."""
+    over = _split_over(name)
+    return jax.lax.all_to_all(x, over, 0, 0, tiled=True) if over else x
+
+
+def ragged_exchange(rows, into, sent_from, sent, lands_at, received, name: str) -> jax.Array:
+    """Inside `per_shard`: `into` with the row blocks other shards along logical axis `name` sent
+    written in; this shard sends rows[sent_from[i]:][:sent[i]] to shard i // (len(sent) / n), to
+    land at its row lands_at[i], and receives received[i] rows from that shard (the jax.lax
+    ragged_all_to_all over that name's mesh axes, which XLA's CPU backend cannot run)."""
+    over = _split_over(name)
+    return jax.lax.ragged_all_to_all(rows, into, sent_from, sent, lands_at, received, axis_name=over)
+
+
+def exchanges_ragged() -> bool:
+    """Whether the mesh being traced on can run a ragged all-to-all: TPU and GPU, not XLA's CPU
+    backend (jax #34755)."""
+    mesh = _TRACING_MESH.get()
+    return mesh is not None and mesh.devices.flat[0].platform != "cpu"
+
+
 def shard_index(name: str) -> jax.Array | int:
     """Inside `per_shard`: this shard's place along logical axis `name` (0 where it is whole)."""
     over = _split_over(name)

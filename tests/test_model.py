@@ -12,7 +12,7 @@ from podtrain.config.schema import MeshConfig
 from podtrain.models import MODELS, build_model
 from podtrain.models.attention import Attention
 from podtrain.models.interface import LanguageModel, LanguageModelConfig
-from podtrain.models.layers import apply_rope, rope_tables
+from podtrain.models.rope import apply_rope, rope_tables
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 

@@ -260,3 +260,33 @@ ENTRY %main (g: bf16[64,8], h: bf16[64,8], i: s32[]) -> (bf16[8,8], bf16[64,8]) 
 def test_an_all_reduce_the_tpu_fuses_with_its_slice_counts_as_a_reduce_scatter():
     totals = hlo.summary(hlo.collectives(ALL_REDUCE_SCATTER))
     assert totals["reduce-scatter"] == totals["all-reduce"] == 64 * 8 * 2
+
+
+RAGGED_AND_KERNEL = """HloModule m
+
+ENTRY %main (x: bf16[64,8], room: bf16[256,8], o: s32[4], s: s32[4], w: bf16[2,8,16]) -> bf16[256,16] {
+  %x = bf16[64,8]{1,0} parameter(0)
+  %room = bf16[256,8]{1,0} parameter(1)
+  %o = s32[4]{0} parameter(2)
+  %s = s32[4]{0} parameter(3)
+  %w = bf16[2,8,16]{2,1,0} parameter(4)
+  %there = bf16[256,8]{1,0} ragged-all-to-all(%x, %room, %o, %s, %o, /*index=5*/%s), replica_groups={{0,1,2,3}}
+  ROOT %gmm = bf16[256,16]{1,0} custom-call(%there, %w, %s), custom_call_target="tpu_custom_call", KERNEL
+}
+""".replace(
+    "KERNEL",
+    'metadata={op_name="jit(step)/shard_map/expert_rows_64_of_256/jit(gmm)/pallas_call"}, backend_config='
+    '{"custom_call_config": {"cost_estimate":{"flops":"65536","transcendentals":"0","bytes_accessed":"12288"}}}',
+)
+
+
+def test_a_ragged_all_to_all_moves_its_rows_and_a_grouped_matmul_costs_the_rows_it_runs():
+    """A ragged all-to-all counts the rows it sends (64), not the receiver's room for 256, on the
+    network and in device memory; a
+    grouped matmul given 256 rows of which a balanced routing fills 64 counts a quarter of the
+    FLOPs and bytes its kernel declares."""
+    (found,) = hlo.collectives(RAGGED_AND_KERNEL)
+    assert found.kind == "ragged-all-to-all" and found.bytes == 64 * 8 * 2
+    ops = {o.op: o for o in cost.operations(RAGGED_AND_KERNEL)}
+    assert (ops["custom-call"].flops, ops["custom-call"].bytes) == (65536 // 4, 12288 // 4)
+    assert ops["ragged-all-to-all"].bytes == 2 * 64 * 8 * 2  # the rows it reads and writes

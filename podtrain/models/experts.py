@@ -3,11 +3,11 @@ the token goes through its k best, and their outputs are summed with the router'
 
 Routing is computed in float32 (`route`): softmax over all experts then top-k (Mixtral,
 Qwen3-MoE), or sigmoid scores chosen with a selection-only bias, within the best groups of
-experts (DeepSeek-V3). Dispatch is either dropless (`dropless`: the token copies sorted by
-expert and run through grouped matmuls, `grouped_matmul`) or capacity-bound (`by_capacity`:
-each expert takes at most C token copies into a fixed buffer; the rest are dropped and counted).
-Under `mesh.expert` the experts' weights are split over it and the tokens exchanged
-(`expert_parallel`). Nothing here sees a mesh beyond the sharding helpers.
+experts (DeepSeek-V3). The copies run through grouped matmuls (`grouped_matmul`) on each device's
+own tokens (`expert_parallel`): dropless, or with a capacity per expert and sequence past which
+copies are dropped and counted. Under `mesh.expert` the experts' weights are split over it and
+each copy is sent to the shard holding its expert and back (`exchange.py`). Nothing here sees a
+mesh beyond the sharding helpers.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-from podtrain.models.layers import ACT, SwiGLU, param, swiglu
-from podtrain.sharding import constrain, gather, per_shard, scatter_sum, shard_index, sum_over
+from podtrain.models.exchange import by_capacity, by_ragged, queue_places
+from podtrain.models.layers import ACT, SwiGLU, param
+from podtrain.models.ops import grouped_matmul
+from podtrain.sharding import constrain, exchanges_ragged, gather, per_shard, shards_along, sum_over
 
 EXPERT_IN, EXPERT_OUT = ("exp", "embed", "mlp"), ("exp", "mlp", "embed")  # (E, D, F) and (E, F, D)
-# What the backward of the experts keeps: their tokens and hidden layer. The rest (the sort, the
-# gathered weights) it computes again.
+# What the backward of the experts keeps: the token copies that reached them (so the exchange is not
+# run again) and their gate and up projections. The rest (the sort, the gathered weights) it
+# computes again.
 KEPT = ("expert_tokens", "expert_gate_up")
 
 
@@ -74,89 +76,46 @@ def route(logits: jax.Array, bias: jax.Array | None, r: Routing) -> tuple[jax.Ar
     return weights * r.scale, chosen.astype(jnp.int32), scores
 
 
-def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool = False) -> jax.Array:
-    """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N);
-    rows past the groups give zeros. megablox (TPU; `interpret` runs it on a CPU) visits only
-    the groups' rows, where XLA's ragged_dot may compute every row for every group."""
-    if kernel != "megablox":  # ragged_dot, or auto where no platform resolved it
-        return jax.lax.ragged_dot(lhs, rhs, sizes)
-    grouped = jnp.arange(len(lhs))[:, None] < sizes.sum()  # rows the kernel never writes, forward or backward
-    tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
-    out = megablox.gmm(jnp.where(grouped, lhs, 0), rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
-    return jnp.where(grouped, out, 0)
-
-
-# megablox's (rows, contraction, output) tile, as MaxText's defaults: each tile of rows is read
-# once per output tile and each expert's weights once per tile of rows, so larger tiles move fewer
-# bytes (128-wide ones made Mixtral's step memory-bound: 25.8 TB per chip).
-GMM_TILES = (512, 1024, 1024)
-
-
-def grouped_mlp(xs: jax.Array, sizes: jax.Array, w_in: jax.Array, w_down: jax.Array, kernel: str = "ragged_dot"):
-    """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum give
-    zeros), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`."""
+def grouped_mlp(xs, sizes, w_in, w_down, kernel: str = "ragged_dot", rows: int = 0) -> jax.Array:
+    """SwiGLU of rows xs (m, D) sorted by expert, `sizes` (E,) rows each (rows past their sum are
+    room, never read), through w_in (E, D, 2, F) and w_down (E, F, D), by `grouped_matmul`. Gate
+    and up are one (m, 2F) product taken apart by slices: an (m, 2, F) one would be laid out again,
+    room and all, and two products would add their gradients over the room."""
     e, d, _, f = w_in.shape
-    gate_up = checkpoint_name(grouped_matmul(xs, w_in.reshape(e, d, 2 * f), sizes, kernel), KEPT[1])
-    return grouped_matmul(swiglu(gate_up.reshape(-1, 2, f)), w_down, sizes, kernel)
+    gate_up = grouped_matmul(checkpoint_name(xs, KEPT[0]), w_in.reshape(e, d, 2 * f), sizes, kernel, rows=rows)
+    gate_up = checkpoint_name(gate_up, KEPT[1])
+    return grouped_matmul(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], w_down, sizes, kernel, rows=rows)
 
 
-def dropless(x, chosen, w_in, w_down, first: int | jax.Array = 0, kernel: str = "ragged_dot") -> jax.Array:
-    """Each token's copy through each of its chosen experts: (N, k, D) outputs of tokens x (N, D)
-    and their chosen (N, k) experts, for experts first..first+E-1 of w_in (E, D, 2, F); a copy
-    routed to another expert gives zeros. The copies are sorted by expert, grouped matmuls run over
-    them, and they are put back."""
-    n, k = chosen.shape
-    local = chosen.reshape(-1) - first
-    local = jnp.where((local >= 0) & (local < w_in.shape[0]), local, w_in.shape[0])  # others last
-    order = jnp.argsort(local, stable=True)
-    sizes = jnp.bincount(local, length=w_in.shape[0] + 1)[:-1]
-    out = grouped_mlp(x[order // k], sizes, w_in, w_down, kernel)
-    return out[jnp.argsort(order)].reshape(n, k, -1)
+def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacity: int = 0):
+    """(outputs (B, T, k, D), kept (B, T, k) bool) of each copy of tokens x (B, T, D) through its
+    chosen (B, T, k) experts, run on each device's own tokens. With the experts split over `mesh.expert`, each copy
+    travels only to the shard holding its expert and back (`exchange`): dropless by a ragged
+    all-to-all where the platform has one, else (and with a `capacity` per expert and sequence,
+    0: none) by fixed buffers. The experts' hidden layer stays split over tensor (Megatron: one
+    all-reduce of the outputs), and their weights, split over fsdp, are gathered where used and
+    again in the backward, never kept whole (ZeRO-3)."""
+    b, t, k = chosen.shape
+    experts = len(w_in)
+    ragged = not capacity and (exchanges_ragged() or shards_along("exp") == 1)
+    places = None if ragged else jax.vmap(queue_places, (0, None))(chosen, experts)  # per sequence
+    kept = places < capacity if capacity else jnp.ones(chosen.shape, bool)
+    capacity = capacity or t  # dropless: a sequence gives an expert at most a copy of each token
 
-
-def queue_places(chosen: jax.Array, experts: int) -> jax.Array:
-    """(N, k): each token copy's place in its expert's queue; first choices queue before second
-    ones (as GShard and Switch), tokens in order within a choice."""
-    flat = chosen.T.reshape(-1)  # every token's first choice, then every token's second...
-    onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
-    places = ((jnp.cumsum(onehot, axis=0) - 1) * onehot).sum(-1)
-    return places.reshape(chosen.shape[::-1]).T
-
-
-def by_capacity(x: jax.Array, chosen: jax.Array, w_in: jax.Array, w_down: jax.Array, capacity: int):
-    """(outputs (N, k, D), kept (N, k) bool): like `dropless`, but each expert takes at most
-    `capacity` copies into an (E, capacity, D) buffer, in `queue_places` order; the copies past it
-    are dropped (zeros)."""
-    e, places = w_in.shape[0], queue_places(chosen, w_in.shape[0])
-    kept = places < capacity
-    slot = jnp.where(kept, chosen * capacity + places, e * capacity)  # dropped: a spare slot
-    buffer = jnp.zeros((e * capacity + 1, x.shape[-1]), x.dtype).at[slot].set(x[:, None, :])
-    buffer = buffer[:-1].reshape(e, capacity, -1)
-    hidden = swiglu(jnp.einsum("ecd,edkf->eckf", buffer, w_in))
-    out = jnp.einsum("ecf,efd->ecd", hidden, w_down).reshape(e * capacity, -1)
-    return jnp.concatenate([out, jnp.zeros_like(out[:1])])[slot], kept
-
-
-def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot") -> jax.Array:
-    """`dropless` of tokens x (B, T, D) and their chosen (B, T, k) experts -> (B, T, k, D), run on
-    each device's own tokens, so that no sort spans devices. With the experts split over
-    `mesh.expert`, each shard gathers the tokens of its group of expert shards, runs those routed
-    to its own experts, and the partial outputs are summed back onto the shards the tokens came
-    from (an all-gather, then a reduce-scatter, along the expert axis). The experts' hidden layer
-    stays split over tensor (Megatron: one all-reduce of the outputs), and their weights, split
-    over fsdp, are gathered where used and again in the backward, never kept whole (ZeRO-3)."""
-
-    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*KEPT))
-    def on_shard(x, chosen, w_in, w_down):
+    @partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(*KEPT), prevent_cse=False)
+    def on_shard(x, chosen, w_in, w_down, places=None):
         w_in, w_down = gather(w_in, "embed", 1), gather(w_down, "embed", 2)
-        x, chosen = checkpoint_name(gather(x, "exp", 0), KEPT[0]), gather(chosen, "exp", 0)
-        b, t, k = chosen.shape
-        first = shard_index("exp") * len(w_in)
-        out = dropless(x.reshape(b * t, -1), chosen.reshape(b * t, k), w_in, w_down, first, kernel)
-        return scatter_sum(sum_over(out.reshape(b, t, k, -1), "mlp"), "exp", 0)
+        bl, tl, _ = chosen.shape
+        run = partial(grouped_mlp, w_in=w_in, w_down=w_down, kernel=kernel, rows=bl * tl * k)
+        if places is None:
+            out = by_ragged(x.reshape(bl * tl, -1), chosen.reshape(bl * tl, k), experts, run)
+        else:
+            out = by_capacity(x, chosen, places, experts, capacity, run)
+        return sum_over(out.reshape(bl, tl, k, -1), "mlp")
 
     names = (ACT, ACT[:2] + (None,), ("exp", "embed", None, "mlp"), ("exp", "mlp", "embed"))
-    return per_shard(on_shard, names, (*ACT[:2], None, None))(x, chosen, w_in, w_down)
+    args = (x, chosen, w_in, w_down) + (() if places is None else (places,))
+    return per_shard(on_shard, names + (names[1],) * (places is not None), (*ACT[:2], None, None))(*args), kept
 
 
 class RoutedExperts(nnx.Module):
@@ -197,13 +156,10 @@ class RoutedExperts(nnx.Module):
         weights, chosen, scores = route(logits, bias, self.routing)
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=2).astype(self.dtype)  # (E, D, 2, F)
         w_down = self.w_down[...].astype(self.dtype)
-        if self.capacity_factor:
-            e, k = self.routing.experts, self.routing.k
-            capacity = max(1, math.ceil(self.capacity_factor * b * t * k / e))
-            copies, kept = by_capacity(x.reshape(b * t, d), chosen.reshape(b * t, k), w_in, w_down, capacity)
-            copies, kept = copies.reshape(b, t, k, d), kept.reshape(b, t, k)
-        else:
-            copies, kept = expert_parallel(x, chosen, w_in, w_down, self.kernel), jnp.ones(chosen.shape, bool)
+        capacity = 0
+        if self.capacity_factor:  # per sequence, as MaxText: the same copies dropped on any mesh
+            capacity = max(1, math.ceil(self.capacity_factor * t * self.routing.k / self.routing.experts))
+        copies, kept = expert_parallel(x, chosen, w_in, w_down, self.kernel, capacity)
         out = jnp.einsum("btkd,btk->btd", copies.astype(jnp.float32), weights).astype(x.dtype)
         if hasattr(self, "shared"):
             out = out + self.shared(x)

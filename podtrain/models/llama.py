@@ -15,19 +15,16 @@ from podtrain.models.layers import (
     ACT,
     HEAD,
     TABLE,
-    Linear,
-    Llama3,
     RMSNorm,
     SwiGLU,
-    Yarn,
     embed_tokens,
     output_head,
     param,
-    rope_tables,
     scan_layers,
     stacked,
 )
 from podtrain.models.llama_config import LlamaConfig
+from podtrain.models.rope import Linear, Llama3, Yarn, rope_tables
 from podtrain.sharding import constrain, context_order, positions_of, reordered
 
 
@@ -127,7 +124,7 @@ def latent_attention(cfg: LlamaConfig, std: float, out_std: float, dtype, rngs: 
     )
 
 
-# model.rope_scaling -> the stretch of the rotary frequencies it names (layers.rope_tables)
+# model.rope_scaling -> the stretch of the rotary frequencies it names (rope.rope_tables)
 ROPE_SCALINGS = {
     "none": lambda cfg: None,
     "llama3": lambda cfg: Llama3(

@@ -53,8 +53,8 @@ class MoeConfig(llama.LlamaConfig):
     )
     capacity_factor: float = key(
         0.0,
-        "each expert takes at most this x its even share of the token copies, the rest dropped (and counted); "
-        "0: none dropped",
+        "each expert takes at most this x its even share of each sequence's token copies, the rest dropped (and "
+        "counted); 0: none dropped",
         ">= 0",
     )
     expert_kernel: Literal["auto", "ragged_dot", "megablox"] = key(

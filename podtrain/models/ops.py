@@ -16,7 +16,8 @@ resumed run scales as the uninterrupted one. The backward reuses the forward's q
 and quantizes the output gradient once for both of its products: one pass over each tensor, half
 the bytes of the compute dtype kept for the backward. Weights stay float32 masters outside.
 The embeddings, the output head (`logits_dot`) and the MoE router are outside the layer stacks and
-stay in the compute dtype.
+stay in the compute dtype, as do the experts' grouped matmuls (`grouped_matmul`: XLA's ragged_dot
+or the megablox kernel), whose kernels take no narrow formats here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 # (forward operands, backward output gradient) of each quantized policy
 FORMATS = {"fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2), "int8": (jnp.int8, jnp.int8)}
@@ -141,3 +143,30 @@ def _logits_dot_bwd(saved, d_logits: jax.Array):
 
 
 logits_dot.defvjp(_logits_dot_fwd, _logits_dot_bwd)
+
+
+def grouped_matmul(lhs, rhs, sizes, kernel: str = "ragged_dot", interpret: bool = False, rows: int = 0) -> jax.Array:
+    """Rows lhs (m, K) sorted by group, `sizes` (G,) rows each, times their group's rhs (G, K, N).
+    Rows past the groups are room nobody reads: ragged_dot gives zeros there, megablox (TPU;
+    `interpret` runs it on a CPU) leaves them unwritten, forward and backward, and visits only
+    the groups' rows, where XLA's ragged_dot may compute every row for every group; masking the
+    room would pass over all of it, which is most of an expert-parallel step's memory traffic.
+    `rows` (0: m): the rows a balanced routing fills; the kernel declares the cost of all m, and
+    its name scope tells the plan (`planning.cost`) the share it really runs. `sizes` an int: every
+    group that many rows, a batched matmul (where ragged_dot would compute every row per group)."""
+    if isinstance(sizes, int) and kernel != "megablox":
+        return jnp.einsum("gmk,gkn->gmn", lhs.reshape(len(rhs), sizes, -1), rhs).reshape(len(lhs), -1)
+    if isinstance(sizes, int):
+        sizes = jnp.full((len(rhs),), sizes, jnp.int32)
+    if kernel != "megablox":  # ragged_dot, or auto where no platform resolved it
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+    tiles = tuple(min(t, d) for t, d in zip(GMM_TILES, (lhs.shape[0], *rhs.shape[1:])))
+    with jax.named_scope(f"{ROWS_SCOPE}{min(rows or len(lhs), len(lhs))}_of_{len(lhs)}"):
+        return megablox.gmm(lhs, rhs, sizes, lhs.dtype, tiles, None, None, False, interpret)
+
+
+# megablox's (rows, contraction, output) tile, as MaxText's defaults: each tile of rows is read
+# once per output tile and each expert's weights once per tile of rows, so larger tiles move fewer
+# bytes (128-wide ones made Mixtral's step memory-bound: 25.8 TB per chip).
+GMM_TILES = (512, 1024, 1024)
+ROWS_SCOPE = "expert_rows_"  # expert_rows_R_of_M: a grouped matmul given M rows runs about R

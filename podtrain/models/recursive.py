@@ -49,10 +49,10 @@ from podtrain.models.layers import (
     output_head,
     param,
     rms_norm_keeping_input,
-    rope_tables,
     scan_layers,
     stacked,
 )
+from podtrain.models.rope import rope_tables
 from podtrain.sharding import constrain
 
 INIT_KEY = 1234  # the fixed draw of the initial states

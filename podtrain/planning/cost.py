@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from podtrain.models.ops import ROWS_SCOPE
 from podtrain.planning import hlo
 
 # Operations that move no data of their own: they name, alias or control.
@@ -38,6 +39,7 @@ _FRAME = re.compile(r"\bstack_frame_id=(\d+)")
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)"[^}]*"bytes_accessed":"(\d+)"')
 _SECTION_ROW = re.compile(r"^(\d+) (.*)$")
 PASSED = ("ops.py:",)  # files an operation's source skips for their caller: every matmul is made in ops.py
+_ROWS = re.compile(r'op_name="[^"]*' + ROWS_SCOPE + r"(\d+)_of_(\d+)")
 
 
 def _window(line: str, key: str, rank: int, default: int) -> list[list[int]]:
@@ -92,9 +94,15 @@ def _matmul_macs(line: str, op: str, operands: list[str], result: str, shapes: d
 
 def _kernel_cost(line: str) -> tuple[int, int] | None:
     """(FLOPs, bytes accessed) a Pallas kernel's custom call declares (its CostEstimate), if any:
-    its matmuls are inside the kernel, where no dot instruction shows them."""
+    its matmuls are inside the kernel, where no dot instruction shows them. A grouped matmul
+    declares every row it was given, room included; one whose name scope says it runs R of its M
+    rows (`models.ops.grouped_matmul`) counts R / M of both, its costs being the rows'."""
     found = _KERNEL_COST.search(line)
-    return (int(found.group(1)), int(found.group(2))) if found else None
+    if not found:
+        return None
+    rows = _ROWS.search(line)
+    share = int(rows.group(1)) / int(rows.group(2)) if rows else 1
+    return round(int(found.group(1)) * share), round(int(found.group(2)) * share)
 
 
 def _flops(line: str, op: str, operands: list[str], result: str, shapes: dict) -> int:
@@ -285,6 +293,8 @@ def operations(text: str) -> list[Operation]:
                 moved = 0
             elif op in _SLICES:
                 moved = 2 * size
+            elif op == "ragged-all-to-all":  # reads the rows it sends, writes as many: not its room
+                moved = 2 * min(size, sizes.get(operands[0], size))
             elif op == "dynamic-update-slice":
                 moved = 2 * sizes.get(operands[1], 0)
             elif op in _NO_TRAFFIC or (op == "custom-call" and _ALLOCATION.search(line)):

@@ -16,15 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    **dict.fromkeys(
-        ("pred", "s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz"), 1
-    ),
-    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
-    **dict.fromkeys(("s32", "u32", "f32"), 4),
-    **dict.fromkeys(("s64", "u64", "f64"), 8),
-}
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "bf16": 2} | {f"{kind}{bits}": bits // 8 for kind in "suf" for bits in (8, 16, 32, 64)}
+DTYPE_BYTES |= dict.fromkeys(("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz"), 1)
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(-start)?\(")
@@ -58,7 +52,8 @@ class Collective:
     kind: str  # one of KINDS
     shapes: tuple[tuple[int, ...], ...]  # the arrays it produces (a combined collective has several)
     dtype: str
-    bytes: int  # of the whole arrays involved, once: all-gather's output, reduce-scatter's input
+    bytes: int  # of the whole arrays involved, once: all-gather's output, reduce-scatter's input; a
+    # ragged all-to-all's rows sent or room received, the smaller (its buffers keep room for more)
     group_size: int | None  # devices in each replica group
     replica_groups: str
     count: int  # executions per run of the program (layers of a scan count each)
@@ -203,6 +198,8 @@ def collectives(hlo: str) -> list[Collective]:
             size = sum(DTYPE_BYTES[dtype] * math.prod(shape) for dtype, shape in arrays)
             if kind == "reduce-scatter":
                 size *= group_size or 1
+            elif kind == "ragged-all-to-all":
+                size = min(size, _first_operand_bytes(line, lines))
             elif kind == "all-reduce" and _sliced_by_root(lines, instruction):
                 kind = "reduce-scatter"  # the TPU's all-reduce-scatter fusion: each device keeps its slice
             found.append(
@@ -218,6 +215,13 @@ def collectives(hlo: str) -> list[Collective]:
                 )
             )
     return found
+
+
+def _first_operand_bytes(line: str, lines: list[str]) -> int:
+    """Bytes of an instruction's first operand, by its name among the computation's `lines`."""
+    operands = next(instructions([line]), (None, None, None, None, []))[4]
+    types = {result: type_text for _, result, type_text, _, _ in instructions(lines)}
+    return nbytes(types.get(operands[0], "")) if operands else 0
 
 
 def megascale_sends(hlo: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from podtrain.planning import hlo
 
-RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0}
+RING = {"all-reduce": 2.0, "all-gather": 1.0, "reduce-scatter": 1.0, "all-to-all": 1.0, "ragged-all-to-all": 1.0}
 
 
 def link_bytes(found: list[hlo.Collective]) -> float:

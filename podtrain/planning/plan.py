@@ -164,10 +164,11 @@ def _cost_flops(compiled) -> float | None:
 def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
     """Every mesh whose product is the device count, under each remat policy: its plan, or why the
     model cannot take it; fitting plans first, fastest first. The stage, context and expert axes
-    are tried only where the config uses them (other than 1); else they stay 1. Over several slices,
-    each split of them between the dcn axes too."""
+    are tried only where the config uses them (other than 1), expert also for a model with
+    experts; else they stay 1. Over several slices, each split of them between the dcn axes too."""
     rows, per_slice = [], len(target.devices) // target.slices
-    tried = [a for a in AXES if a in PLAIN_AXES or getattr(cfg.mesh, a) != 1]
+    experts = getattr(cfg.model, "experts", 1) > 1
+    tried = [a for a in AXES if a in PLAIN_AXES or getattr(cfg.mesh, a) != 1 or (a == "expert" and experts)]
     meshes = [
         {f"mesh.{a}": 1 for a in AXES}
         | {f"mesh.{a}": s for a, s in zip(tried, sizes)}

@@ -29,7 +29,8 @@ from podtrain.models import ops
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.module import ring_places, ring_write
 from podtrain.models.attention.xla import grouped_attention
-from podtrain.models.layers import ACT, HEADS, RMSNorm, apply_rope, param
+from podtrain.models.layers import ACT, HEADS, RMSNorm, param
+from podtrain.models.rope import apply_rope
 from podtrain.sharding import constrain
 
 LATENT = ("act_batch", "act_seq", None)  # (batch, seq, latent): replicated over tensor, as small

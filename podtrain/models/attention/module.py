@@ -13,7 +13,8 @@ from podtrain.models import lora, ops
 from podtrain.models.attention.context import context_attention
 from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
-from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, apply_rope, param
+from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, param
+from podtrain.models.rope import apply_rope
 from podtrain.sharding import constrain, context_order, positions_of, shards
 
 
