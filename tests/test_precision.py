@@ -104,6 +104,7 @@ def test_fp8_on_a_card_without_it_is_said_to_bring_nothing():
     assert "fp8 matmuls run no faster than bf16 on the NVIDIA A100 SXM" in said
 
 
+@pytest.mark.integration
 @needs_libtpu
 def test_an_int8_tpu_plan_multiplies_in_int8_at_the_int8_rate():
     bf16 = _plan("configs/tiny.yaml", "v6e-1")
