@@ -40,13 +40,13 @@ import jax
 import numpy as np
 import torch
 import torch.nn.functional as F
+from podtrain.axes import AXES, PLAIN_AXES
 from podtrain.config.checks import resolve_auto
 from podtrain.config.load import load_config
 from podtrain.planning import fit
 from podtrain.runtime.chips import device_memory, peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh
-from podtrain.sharding import AXES, PLAIN_AXES
 from podtrain.train import optim
 from podtrain.train.job import build
 

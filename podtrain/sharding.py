@@ -22,12 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The last varies fastest: tensor on the nearest devices.
-AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
-# The axes every model takes as it is; stage, context and expert each need a model made for them
-# (a pipelined stack, attention over a split sequence, experts).
-PLAIN_AXES = tuple(a for a in AXES if a not in ("stage", "context", "expert"))
-
 # Logical axis -> mesh axes. Changing a model's parallelism is a change here, not in the model.
 RULES: dict[str, tuple[str, ...]] = {
     # Parameters: ZeRO-3 over fsdp (gathered layer by layer where used), Megatron over tensor.
@@ -61,12 +55,20 @@ RULES: dict[str, tuple[str, ...]] = {
 _TRACING_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("podtrain_tracing_mesh", default=None)
 
 
-class Pipeline(NamedTuple):
-    """How a layer stack over the mesh's `stage` axis runs (`models.pipeline`): in `microbatches`
-    (0: as many as stages), going round the stages `repeats` times (1: GPipe; more: circular)."""
+class Parallelism(NamedTuple):
+    """How the mesh's stage and context axes run, beyond their sizes: a layer stack over `stage` in
+    `microbatches` (0: as many as stages), going round the stages `repeats` times (1: GPipe; more:
+    circular; `models.pipeline`); attention over a sequence split along `context` by the `context`
+    strategy, all_gather or ring (`models.attention.context`)."""
 
     microbatches: int = 0
     repeats: int = 1
+    context: str = "all_gather"
+
+    @classmethod
+    def of(cls, cfg) -> Parallelism:
+        """What a config's `pipeline` and `context` sections say."""
+        return cls(cfg.pipeline.microbatches, cfg.pipeline.repeats, cfg.context.strategy)
 
 
 def microbatches_over(stages: int, asked: int) -> int:
@@ -74,8 +76,8 @@ def microbatches_over(stages: int, asked: int) -> int:
     return asked or stages
 
 
-GPIPE = Pipeline()  # as many microbatches as stages, one lap
-_PIPELINE: contextvars.ContextVar[Pipeline] = contextvars.ContextVar("podtrain_pipeline", default=GPIPE)
+DEFAULT = Parallelism()  # GPipe of as many microbatches as stages; keys and values all-gathered
+_PARALLELISM: contextvars.ContextVar[Parallelism] = contextvars.ContextVar("podtrain_parallelism", default=DEFAULT)
 _TAKEN: contextvars.ContextVar[frozenset] = contextvars.ContextVar("podtrain_taken_axes", default=frozenset())
 
 
@@ -135,19 +137,19 @@ TPU_COMPILER_OPTIONS = {
 }
 
 
-def sharded_jit(fn, mesh: Mesh, pipeline: Pipeline = GPIPE, **jit_kwargs):
+def sharded_jit(fn, mesh: Mesh, parallelism: Parallelism = DEFAULT, **jit_kwargs):
     """jax.jit(fn), traced with `mesh` active so that the activation constraints inside apply
-    (and a layer stack over `stage` runs as `pipeline` says); on TPU compiled with
-    `TPU_COMPILER_OPTIONS`."""
+    (and a layer stack over `stage` and attention over `context` run as `parallelism` says); on
+    TPU compiled with `TPU_COMPILER_OPTIONS`."""
 
     @functools.wraps(fn)
     def on_mesh(*args, **kwargs):
-        tokens = _TRACING_MESH.set(mesh), _PIPELINE.set(pipeline)
+        tokens = _TRACING_MESH.set(mesh), _PARALLELISM.set(parallelism)
         try:
             return fn(*args, **kwargs)
         finally:
             _TRACING_MESH.reset(tokens[0])
-            _PIPELINE.reset(tokens[1])
+            _PARALLELISM.reset(tokens[1])
 
     if mesh.devices.flat[0].platform == "tpu":
         jit_kwargs.setdefault("compiler_options", TPU_COMPILER_OPTIONS)
@@ -164,7 +166,8 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
     """fn run on each device's shard of arrays laid out by logical names (jax.shard_map), for
     kernels XLA cannot partition (Pallas) and collectives along a logical axis (`gather`,
     `pass_on`); fn itself outside `sharded_jit`. An entry of `in_names` may instead be a function
-    of the mesh giving that argument's partition specs (a kernel's own); the output is laid out
+    giving that argument's partition specs (a kernel's own) from `placed(names, shape)`, the
+    sharding of an array of that shape laid out by those logical names; the output is laid out
     like the first argument."""
     mesh = _TRACING_MESH.get()
     if mesh is None:
@@ -172,7 +175,10 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
 
     def run(*arrays):
         specs = tuple(
-            names(mesh) if callable(names) else logical_spec(names, x.shape, mesh) for names, x in zip(in_names, arrays)
+            names(functools.partial(logical_sharding, mesh=mesh))
+            if callable(names)
+            else logical_spec(names, x.shape, mesh)
+            for names, x in zip(in_names, arrays)
         )
         out_spec = logical_spec(out_names, arrays[0].shape, mesh)
         return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(*arrays)
@@ -180,15 +186,21 @@ def per_shard(fn, in_names: tuple, out_names: tuple[str | None, ...]):
     return run
 
 
-def stages() -> tuple[int, Pipeline]:
+def stages() -> tuple[int, Parallelism]:
     """(pipeline stages, how they run) of the function being traced: the mesh's `stage` size and
-    its `Pipeline`, microbatches resolved (as many as stages if none were asked for); (1, 1 and 1)
-    outside `sharded_jit`."""
+    its `Parallelism`, microbatches resolved (as many as stages if none were asked for); (1, 1 and
+    1) outside `sharded_jit`."""
     mesh = _TRACING_MESH.get()
     n = 1 if mesh is None else mesh.shape["stage"]
-    pipeline = _PIPELINE.get()
-    resolved = pipeline._replace(microbatches=microbatches_over(n, pipeline.microbatches))
-    return (n, resolved) if n > 1 else (1, Pipeline(1, 1))
+    asked = _PARALLELISM.get()
+    return (
+        (n, asked._replace(microbatches=microbatches_over(n, asked.microbatches))) if n > 1 else (1, Parallelism(1, 1))
+    )
+
+
+def context_strategy() -> str:
+    """How attention runs over a sequence split along `context` in the function being traced."""
+    return _PARALLELISM.get().context
 
 
 @contextlib.contextmanager

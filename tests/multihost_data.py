@@ -10,7 +10,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from podtrain.config.schema import DistributedConfig, MeshConfig
+from podtrain.config.parallel import MeshConfig
+from podtrain.config.schema import DistributedConfig
 from podtrain.data.loader import BatchReader, train_windows
 from podtrain.runtime import distributed, peers
 from podtrain.runtime.mesh import build_mesh

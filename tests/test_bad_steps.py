@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from podtrain.cli import main
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics

@@ -51,14 +51,14 @@ def loss_and_grads(overrides, n_devices, packed, reset_positions=False):
 
 
 CASES = {  # name: (overrides, packed documents); together: context 2, 4 and 8, both strategies, every axis
-    "context8-ring": (["mesh.data=1", "mesh.context=8", "model.context_attention=ring"], False),
+    "context8-ring": (["mesh.data=1", "mesh.context=8", "context.strategy=ring"], False),
     "data2-context4-all_gather-packed": (["mesh.data=2", "mesh.context=4"], True),
     "context2-fsdp2-tensor2-ring-packed": (
-        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "model.context_attention=ring"],
+        ["mesh.data=1", "mesh.context=2", "mesh.fsdp=2", "mesh.tensor=2", "context.strategy=ring"],
         True,
     ),
     "data2-context4-ring-windows-packed": (
-        ["mesh.data=2", "mesh.context=4", "model.context_attention=ring", "model.sliding_window=48"],
+        ["mesh.data=2", "mesh.context=4", "context.strategy=ring", "model.sliding_window=48"],
         True,
     ),
     "mhc-context2-fsdp2-tensor2-all_gather": (
@@ -88,7 +88,7 @@ def test_training_steps_with_a_split_sequence_equal_one_device():
     """Whole training steps (optimizer and all) on data=2 x context=4 follow one device's."""
     steps = [*SMALL, "train.seq_len=64", "model.max_seq_len=64"]
     ref_losses, ref_params = run_steps([*steps, "mesh.data=1"], n_devices=1, n_steps=2)
-    losses, params = run_steps([*steps, "mesh.data=2", "mesh.context=4", "model.context_attention=ring"], 8, 2)
+    losses, params = run_steps([*steps, "mesh.data=2", "mesh.context=4", "context.strategy=ring"], 8, 2)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-4), params, ref_params)
 
@@ -254,7 +254,7 @@ def test_the_bytes_each_strategy_moves_along_the_context_axis():
     moved = {}
     for name, overrides in {
         "all_gather": ["mesh.context=4"],
-        "ring": ["mesh.context=4", "model.context_attention=ring"],
+        "ring": ["mesh.context=4", "context.strategy=ring"],
         "none": ["mesh.data=4"],
     }.items():
         cfg = load_config(None, [*LONG, "train.batch_size=8", "mesh.data=1", "mesh.fsdp=2", *overrides])
@@ -332,6 +332,16 @@ def test_sweep_tries_context_sizes_when_the_config_splits_the_sequence(monkeypat
     planned.clear()
     plan.sweep(load_config(None, LONG), target)
     assert len(planned) == 3 * 10 and {shape[2] for shape in planned} == {1}
+
+
+def test_the_old_context_key_is_read_as_context_strategy(tmp_path, capsys):
+    """`model.context_attention`, the strategy's key before it moved beside the mesh, still reads."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  context_attention: ring\n")
+    assert load_config(path).context.strategy == "ring"
+    said = f"model.context_attention in {path} is now context.strategy; read as context.strategy=ring."
+    assert said in capsys.readouterr().err
+    assert load_config(path, ["context.strategy=all_gather"]).context.strategy == "all_gather"  # the new key wins
 
 
 def test_mesh_context_aliases_and_a_sequence_that_does_not_split():

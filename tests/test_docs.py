@@ -4,7 +4,8 @@ family with its valid values, and the links between the README and the pages res
 import re
 from pathlib import Path
 
-from podtrain.config.schema import Config, leaves
+from podtrain.config.keys import leaves
+from podtrain.config.schema import Config
 from podtrain.models import MODELS
 from podtrain.tools.config_docs import configuration_page
 from podtrain.train.tasks.registry import train_config

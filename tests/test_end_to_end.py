@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from podtrain.cli import main
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.data.tokenizer import ByteTokenizer
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer

@@ -209,7 +209,7 @@ def test_checksums_are_their_definition_on_any_sharding(shape):
     it on the host, for the array whole and sharded over a 2x2x2 mesh."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
-    from podtrain.config.schema import MeshConfig
+    from podtrain.config.parallel import MeshConfig
     from podtrain.runtime.mesh import build_mesh
     from podtrain.train.digest import checksums
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.models.fused_mlp import fused_swiglu_mlp
 from podtrain.models.layers import swiglu_mlp
 from podtrain.planning import plan

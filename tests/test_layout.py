@@ -66,11 +66,12 @@ def test_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_schema_loads_nothing_of_podtrain_but_errors():
+def test_schema_loads_nothing_of_podtrain_but_its_parts_the_axes_and_errors():
     code = "import sys, podtrain.config.schema; print(sorted(m for m in sys.modules if m.startswith(PREFIXES)))"
     code = code.replace("PREFIXES", "('podtrain', 'jax', 'flax')")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(loaded) == ["podtrain", "podtrain.config", "podtrain.config.schema", "podtrain.errors"]
+    config = ["podtrain.config", "podtrain.config.keys", "podtrain.config.parallel", "podtrain.config.schema"]
+    assert eval(loaded) == ["podtrain", "podtrain.axes", *config, "podtrain.errors"]  # no jax, no flax
 
 
 def test_models_and_tasks_know_no_mesh_but_the_sharding_module():

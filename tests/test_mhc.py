@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.models import layers, mhc
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
 from podtrain.planning import cost

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.models import MODELS, build_model
 from podtrain.models.attention import Attention
 from podtrain.models.interface import LanguageModel, LanguageModelConfig

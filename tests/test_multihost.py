@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.data import sudoku
 from podtrain.errors import ConfigError
 from podtrain.runtime.mesh import build_mesh

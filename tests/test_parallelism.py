@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.planning import targets
 from podtrain.planning.hlo import collectives, summary
 from podtrain.runtime.mesh import build_mesh

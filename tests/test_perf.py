@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from podtrain.config.load import load_config
-from podtrain.config.schema import MeshConfig
+from podtrain.config.parallel import MeshConfig
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention
 from podtrain.models.layers import output_head, swiglu

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from podtrain.axes import AXES
 from podtrain.config.load import load_config
 from podtrain.errors import DoesNotFit
 from podtrain.models.attention import causal_blocks
@@ -18,7 +19,6 @@ from podtrain.planning import fit, plan, report
 from podtrain.planning import targets as hardware
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh, factorizations
-from podtrain.sharding import AXES
 from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.state import model_fns

@@ -4,8 +4,8 @@ docs/configuration.md shows the same ranges.)"""
 
 import pytest
 from podtrain.cli import main
+from podtrain.config.keys import Range, leaves, ranges
 from podtrain.config.load import default_config, load_config
-from podtrain.config.schema import Range, leaves, ranges
 from podtrain.train.hooks import divergence_hint
 
 from helpers import FAMILIES
@@ -66,7 +66,10 @@ def test_a_key_of_a_section_that_does_not_exist_lists_the_sections(capsys):
     assert main(["train", "foo.bar=1"]) == 2
     err = capsys.readouterr().err
     assert "Unknown config section `foo` (as in `foo.bar`) in the overrides; the sections are " in err
-    assert "checkpoint, data, distributed, log, mesh, model, pipeline, train." in err and "single value" not in err
+    assert (
+        "checkpoint, context, data, distributed, log, mesh, model, pipeline, train." in err
+        and "single value" not in err
+    )
 
 
 def test_range_bounds():

@@ -1,7 +1,6 @@
 """Each kind of name (model families, Hugging Face model types, mesh axes) is listed once, in its
 registry; the config docs, the errors and the plans take it from there. Adding a name to a registry
-shows up in every place derived from it, and the few lists the layering keeps by hand (a model
-config's `hf_type` choices, the mesh config's keys) must equal their registry's."""
+shows up in every place derived from it."""
 
 import dataclasses
 import subprocess
@@ -11,9 +10,11 @@ import typing
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from podtrain.axes import AXES, DCN_AXES, MESH_AXIS_ALIASES, PLAIN_AXES
 from podtrain.config import checks
-from podtrain.config.load import default_config, mesh_from_env
-from podtrain.config.schema import MESH_AXIS_ALIASES, MeshConfig, ModelConfig
+from podtrain.config.load import default_config, load_config, mesh_from_env
+from podtrain.config.parallel import MeshConfig
+from podtrain.config.schema import ModelConfig
 from podtrain.errors import ConfigError
 from podtrain.interop.hf import families as hf_families
 from podtrain.interop.hf.config_json import ROPE_SCALINGS
@@ -23,12 +24,9 @@ from podtrain.models.attention import kernels
 from podtrain.models.attention.cores import CORES
 from podtrain.models.attention.xla import visible
 from podtrain.models.llama_config import LlamaConfig
-from podtrain.models.moe import MoeConfig
 from podtrain.planning import fit, gpus, targets
 from podtrain.planning.report import sweep_table
 from podtrain.runtime.chips import CHIPS
-from podtrain.runtime.mesh import DCN_AXES
-from podtrain.sharding import AXES, PLAIN_AXES
 from podtrain.tools import config_docs
 from podtrain.train.tasks.registry import TASKS, task_of
 
@@ -66,22 +64,51 @@ def test_the_docs_name_every_family_by_its_task():
 
 
 def test_hf_types_are_the_families_table(monkeypatch):
-    """The model configs' `hf_type` choices (below interop, so listed there by hand) are the
-    table's model types of the podtrain family that computes them."""
-    for config in (LlamaConfig, MoeConfig):
-        choices = typing.get_args(typing.get_type_hints(config)["hf_type"])
-        name = config.__dataclass_fields__["name"].default
-        assert choices == tuple(t for t, f in FAMILIES.items() if f.model_name == name)
+    """A model_type added to the families table is a `model.hf_type` its podtrain family takes, a
+    choice in the docs and a name in the import's error."""
     assert {f.model_name for f in FAMILIES.values()} <= set(MODELS)
+    with pytest.raises(ConfigError, match="model.hf_type='falcon' .* choose one of: llama, mistral, .*, phi3\\."):
+        load_config(None, ["model.hf_type=falcon"])
     extra = dataclasses.replace(FAMILIES["llama"], model_type="falcon", known_as="Falcon")
     monkeypatch.setitem(hf_families.FAMILIES, "falcon", extra)
+    assert load_config(None, ["model.hf_type=falcon"]).model.hf_type == "falcon"
+    with pytest.raises(ConfigError, match="model.hf_type='falcon' .* choose one of: mixtral, qwen3_moe, deepseek_v3"):
+        load_config(None, ["model.name=moe", "model.hf_type=falcon"])
+    assert (
+        "| `model.hf_type` | str | `llama` | `llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`, `gemma3_text`, `phi3`, "
+        "`falcon` |" in config_docs.configuration_page()
+    )
     with pytest.raises(ConfigError, match="model_type llama, .*falcon \\(Llama, .*Phi-3, Falcon\\)"):
         family_of({"model_type": "gpt_neox"}, "here")
 
 
+def test_an_axis_added_to_the_table_is_a_mesh_key_a_docs_row_and_a_plan_column():
+    """A new entry of axes.MESH_AXES (here before anything reads it, in a fresh process) is a
+    mesh key with its slices' key, a row of the configuration page and a column of the plan's sweep."""
+    code = """
+import pathlib, sys, types
+import podtrain
+path = pathlib.Path(podtrain.__file__).with_name("axes.py")
+row = "MESH_AXES += (Axis('pod', 'devices that split pods', 'slices of pods'),)\\n"
+source = path.read_text().replace("\\nAXES = tuple", "\\n" + row + "AXES = tuple", 1)
+sys.modules["podtrain.axes"] = module = types.ModuleType("podtrain.axes")
+module.__file__ = str(path)
+exec(compile(source, str(path), "exec"), module.__dict__)
+from podtrain.config.load import load_config
+from podtrain.planning.report import sweep_table
+from podtrain.tools.config_docs import configuration_page
+cfg, page = load_config(None, ["mesh.pod=2", "mesh.dcn_pod=3"]), configuration_page()
+shape = {**{f"mesh.{a}": 1 for a in module.AXES}, "model.remat": "none"}
+header = sweep_table([(shape, "cannot. no")]).splitlines()[0].split()
+print(cfg.mesh.pod, cfg.mesh.dcn_pod, "| `mesh.pod` | int | 1 |" in page, "`mesh.dcn_pod`" in page, header[6])
+"""
+    said = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert said.split() == ["2", "3", "True", "True", "pod"]
+
+
 def test_mesh_keys_are_the_axes_then_their_slices():
-    keys = {f.name for f in dataclasses.fields(MeshConfig)}
-    assert keys == {*AXES, *(f"dcn_{a}" for a in DCN_AXES)}
+    keys = [f.name for f in dataclasses.fields(MeshConfig)]
+    assert keys == [*AXES, *(f"dcn_{a}" for a in DCN_AXES)]
     assert set(MESH_AXIS_ALIASES.values()) <= set(AXES) and set(PLAIN_AXES) <= set(AXES)
 
 

@@ -1,3 +1,4 @@
-"""The config: `schema` (the keys, their types, defaults and valid values; imports nothing of
-podtrain but its errors) and `load` (YAML, environment, flags and overrides into a checked config,
-with `auto` values resolved; it sits above the models and the data it asks about)."""
+"""The config: `schema` (the sections and their keys; `keys` their machinery, `parallel` the mesh,
+pipeline and context sections, the mesh's keys made from `axes.MESH_AXES`) and `load` (YAML,
+environment, flags and overrides into a checked config, with `auto` values resolved; it sits above
+the models and the data it asks about)."""

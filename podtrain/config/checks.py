@@ -7,8 +7,10 @@ import dataclasses
 import importlib.util
 
 from podtrain import storage
-from podtrain.config.schema import Config, ranges
+from podtrain.config.keys import ranges
+from podtrain.config.schema import Config
 from podtrain.errors import ConfigError, StorageError
+from podtrain.interop.hf.families import model_types
 from podtrain.models import MODELS
 from podtrain.models.attention.cores import CORES, preferred
 from podtrain.sharding import microbatches_over
@@ -39,8 +41,19 @@ def validate(cfg: Config) -> None:
     _check_ranges(cfg)
     cfg.model.validate()
     check_paths(cfg)
-    for check in (_check_train, _check_data, _check_attention, _check_experts, _check_pipeline, _check_logging):
+    checks = (_check_train, _check_data, _check_attention, _check_experts, _check_pipeline, _check_hf_type)
+    for check in (*checks, _check_logging):
         check(cfg)
+
+
+def _check_hf_type(cfg: Config) -> None:
+    """model.hf_type is a model_type of the families table that the model's family computes."""
+    kinds = model_types(cfg.model.name)
+    if kinds and cfg.model.hf_type not in kinds:
+        raise ConfigError(
+            f"model.hf_type={cfg.model.hf_type!r} is not a Hugging Face model_type that model.name={cfg.model.name} "
+            f"computes; choose one of: {', '.join(kinds)}."
+        )
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -110,7 +123,7 @@ def attention_refusal(cfg: Config, kernel: str) -> str | None:
     `auto` choice both ask."""
     m, core = cfg.model, CORES.get(kernel)  # None: auto, whose choice falls back where a core refuses
     seq, split = getattr(cfg.train, "seq_len", 1), max(cfg.mesh.context, 1)
-    strategy = getattr(m, "context_attention", "all_gather")
+    strategy = cfg.context.strategy
     if getattr(m, "attention_kind", "gqa") == "mla" and ((core and not core.value_width) or split > 1):
         return (
             f"model.attention_kind=mla runs on the xla or splash attention over a whole sequence (model.attention="
@@ -121,9 +134,9 @@ def attention_refusal(cfg: Config, kernel: str) -> str | None:
     if split > 1 and strategy not in core.context:
         return (
             f"mesh.context={cfg.mesh.context} splits the sequence, which {core.label} cannot attend across"
-            + (f" under model.context_attention={strategy}" if core.context else "")
+            + (f" under context.strategy={strategy}" if core.context else "")
             + "; use model.attention=xla (or auto)"
-            + (f", or model.context_attention={core.context[0]}." if core.context else ", or mesh.context=1.")
+            + (f", or context.strategy={core.context[0]}." if core.context else ", or mesh.context=1.")
         )
     if seq % (core.block * split):
         return (

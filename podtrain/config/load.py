@@ -14,6 +14,7 @@ import difflib
 import functools
 import os
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,14 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from podtrain import storage
+from podtrain.axes import AXES, MESH_AXIS_ALIASES
 from podtrain.config.checks import validate
-from podtrain.config.schema import MESH_AXIS_ALIASES, Config, all_keys, leaves
+from podtrain.config.keys import all_keys, leaves
+from podtrain.config.schema import Config
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
-from podtrain.sharding import AXES
 from podtrain.train.tasks.registry import train_config
 
 
@@ -104,12 +106,23 @@ def mesh_from_env(environ=os.environ) -> list[str]:
     return overrides
 
 
-def canonical_axes(data: dict) -> dict:
-    """A mesh section with the field's names of its axes (`cp: 4`) as podtrain's (`context: 4`)."""
-    mesh = data.get("mesh")
-    if not isinstance(mesh, dict):
-        return data
-    return {**data, "mesh": {MESH_AXIS_ALIASES.get(name, name): size for name, size in mesh.items()}}
+# Keys that moved, by their old names: still read, where they now live, with a note.
+MOVED = {"model.context_attention": "context.strategy"}
+
+
+def canonical(data: dict, where: str) -> dict:
+    """`data` in podtrain's names: the mesh's axes by the field's names (`cp: 4`) as podtrain's
+    (`context: 4`), and each key that moved (`MOVED`) at its new place, said once."""
+    data = {name: dict(value) if isinstance(value, dict) else value for name, value in data.items()}
+    if isinstance(data.get("mesh"), dict):
+        data["mesh"] = {MESH_AXIS_ALIASES.get(name, name): size for name, size in data["mesh"].items()}
+    for old, new in MOVED.items():
+        (section, name), (to, new_name) = old.split("."), new.split(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            value = data[section].pop(name)
+            data.setdefault(to, {}).setdefault(new_name, value)
+            print(f"[podtrain] {old} in {where} is now {new}; read as {new}={value}.", file=sys.stderr)
+    return data
 
 
 def _select(layers: list[Any], name: str):
@@ -230,10 +243,10 @@ def load_config(
     sequence length and precision stay the recipe's, so its data and train.seq_len still fit."""
     layers = []
     if path:
-        data = canonical_axes(_read_yaml(path))
+        data = canonical(_read_yaml(path), str(path))
         check_structure(data, str(path))
         layers.append(OmegaConf.create(data))
-    override = canonical_axes(parse_overrides(mesh_from_env(environ) + list(overrides)))
+    override = canonical(parse_overrides(mesh_from_env(environ) + list(overrides)), "the overrides")
     check_structure(override, "the overrides")
     try:
         layers.append(OmegaConf.create(override))

@@ -1,7 +1,8 @@
 """The config schema: every key with its type, default, valid values and a one-line description.
 
-Plain dataclasses that import nothing of podtrain but its errors. A key with a fixed set of values
-is a `Literal`, a numeric key carries its `Range`; OmegaConf checks both when a config loads
+Plain dataclasses of `keys.key` fields (the parallelism sections in `parallel`), importing nothing
+of podtrain but those, the axes table and errors: no jax. A key with a fixed set of values is a
+`Literal`, a numeric key carries its `Range`; OmegaConf checks both when a config loads
 (`podtrain.config.load`), and docs/configuration.md is generated from the same fields. Each model
 family's config subclasses `ModelConfig` beside its model; each task's train keys subclass
 `TrainConfig` beside the task.
@@ -9,69 +10,13 @@ family's config subclasses `ModelConfig` beside its model; each task's train key
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import posixpath
-import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from podtrain.config.keys import key
+from podtrain.config.parallel import ContextConfig, MeshConfig, PipelineConfig
 from podtrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric key: finite numbers in an interval, written as in the docs:
-    `> 0`, `>= 1`, `[0, 1)`, `finite`, `-1 or >= 1` (-1 meaning "the rest"), or `auto or >= 1`."""
-
-    text: str
-
-    def _parts(self) -> tuple[bool, float, float, bool, bool]:
-        """(minus_one_allowed, low, high, low_open, high_open)."""
-        text = self.text.removeprefix("auto or ")
-        minus_one = text.startswith("-1 or ")
-        text = text.removeprefix("-1 or ")
-        if text == "finite":
-            return minus_one, -math.inf, math.inf, True, True
-        if m := re.fullmatch(r"(>=?) (\S+)", text):
-            return minus_one, float(m[2]), math.inf, m[1] == ">", True
-        m = re.fullmatch(r"([\[(])(\S+), (\S+)([\])])", text)
-        return minus_one, float(m[2]), float(m[3]), m[1] == "(", m[4] == ")"
-
-    def __contains__(self, value) -> bool:
-        if value == "auto":
-            return self.text.startswith("auto or ")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-        minus_one, low, high, low_open, high_open = self._parts()
-        if minus_one and value == -1:
-            return True
-        return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def key(default, doc: str, valid: str | None = None):
-    """A config key: its default, what it does, and for a number its valid values (a Range text,
-    e.g. "[0, 1)"); a malformed range fails at import. A list default is copied for each config."""
-    metadata: dict[str, Any] = {"doc": doc}
-    if valid is not None:
-        Range(valid)._parts()
-        metadata["range"] = Range(valid)
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def default_of(f: dataclasses.Field):
-    """A field's default value, also for one made by a factory (a list)."""
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def same_key(cls, name: str, default):
-    """A subclass's own default for a key `cls` defines, with the same description and range."""
-    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
 
 
 @dataclass
@@ -114,64 +59,6 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "pick sizes whose ratio is the head dimension."
             )
-
-
-# The field's other names of the mesh axes, accepted in configs and TPU_AXIS_NAMES (and listed in the docs).
-MESH_AXIS_ALIASES = {"model": "tensor", "tp": "tensor", "cp": "context", "sequence": "context", "ep": "expert"}
-
-
-# A size per axis of sharding.AXES (tests/test_registries.py), then slices of those that may span several.
-@dataclass
-class MeshConfig:
-    data: int = key(-1, "devices that hold replicas and split the batch (-1: the rest)", "-1 or >= 1")
-    fsdp: int = key(1, "devices that split the params, gradients and optimizer state (ZeRO-3)", "-1 or >= 1")
-    context: int = key(
-        1,
-        "devices that split each sequence (context parallelism); weights replicated",
-        "-1 or >= 1",
-    )
-    expert: int = key(
-        1,
-        "devices that split an MoE layer's experts (expert parallelism), the tokens exchanged between them; "
-        "elsewhere they split the batch, as data does",
-        "-1 or >= 1",
-    )
-    tensor: int = key(1, "devices that split heads, MLP width and vocabulary (Megatron)", "-1 or >= 1")
-    stage: int = key(
-        1,
-        "devices that each hold a consecutive stage of the layers (pipeline parallelism, `pipeline.*`); outside "
-        "the layer stack they split the batch, as data does",
-        "-1 or >= 1",
-    )
-    dcn_data: int = key(
-        1,
-        "slices (TPU slices; off a TPU, processes) that split the batch across the data-centre network, each "
-        "with the axes above inside it; -1: the rest. All dcn_ sizes 1: one mesh over every device",
-        "-1 or >= 1",
-    )
-    dcn_fsdp: int = key(
-        1, "slices that split the params, gradients and optimizer state across the network", "-1 or >= 1"
-    )
-    dcn_stage: int = key(1, "slices that each hold consecutive pipeline stages, across the network", "-1 or >= 1")
-
-
-@dataclass
-class PipelineConfig:
-    """How a layer stack runs over `mesh.stage` x `mesh.dcn_stage` stages."""
-
-    microbatches: int = key(
-        0,
-        "microbatches the batch (each grad_accum microbatch) flows through the stages in; 0: as many as stages",
-        ">= 0",
-    )
-    schedule: Literal["gpipe", "circular"] = key(
-        "gpipe",
-        "gpipe: each stage holds consecutive layers, every microbatch passes each stage once; circular: the layers "
-        "cut into stages x repeats pieces, stage s holding pieces s, s + stages, ..., so every microbatch goes round "
-        "the stages `repeats` times: a bubble of (stages - 1) / (repeats x microbatches + stages - 1), for one "
-        "regrouping of the stacked weights along `stage` per step",
-    )
-    repeats: int = key(1, "laps of the circular schedule round the stages (1 with gpipe)", ">= 1")
 
 
 @dataclass
@@ -307,6 +194,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)  # the family's config, by model.name
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     train: TrainConfig = field(default_factory=TrainConfig)  # the task's, by the family's task
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -327,24 +215,3 @@ class Config:
     def checkpoint_dir(self) -> str:
         """A string, not a Path: Path would turn gs://bucket/run into the local gs:/bucket/run."""
         return self.checkpoint.dir or posixpath.join(self.run_dir, "checkpoints")
-
-
-def leaves(node: Any, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
-    """(dotted key, field, value) of every value of a config, e.g. ("train.lr", its field, 0.002)."""
-    found = []
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            found += leaves(value, f"{prefix}{f.name}.")
-        else:
-            found.append((prefix + f.name, f, value))
-    return found
-
-
-def all_keys(node: Any) -> list[str]:
-    return [name for name, _, _ in leaves(node)]
-
-
-def ranges(node: Any) -> list[tuple[str, Range, Any]]:
-    """(dotted key, valid values, value) of every numeric key of a config."""
-    return [(name, f.metadata["range"], value) for name, f, value in leaves(node) if "range" in f.metadata]

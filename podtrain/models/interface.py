@@ -13,7 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from podtrain.config.schema import ModelConfig, key
+from podtrain.config.keys import key
+from podtrain.config.schema import ModelConfig
 
 
 @dataclass

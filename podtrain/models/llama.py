@@ -53,7 +53,6 @@ class Block(nnx.Module):
                 scale=cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None,
                 softcap=cfg.attn_softcap,
                 windows=tuple(sorted(set(cfg.layer_windows() or []))),
-                context=cfg.context_attention,
             )
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, plus_one=cfg.norm_plus_one)

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.config.keys import key, same_key
+from podtrain.config.schema import ModelConfig
 from podtrain.errors import ConfigError
 from podtrain.models.interface import LanguageModelConfig
 
@@ -65,11 +66,6 @@ class LlamaConfig(LanguageModelConfig):
     mlp_activation: Literal["silu", "gelu_tanh"] = key(
         "silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)"
     )
-    context_attention: Literal["all_gather", "ring"] = key(
-        "all_gather",
-        "with mesh.context > 1: all_gather: every shard's keys and values gathered per layer; ring: passed "
-        "round a ring of the context shards, one shard's at a time (less memory, more steps)",
-    )
     attention_kind: Literal["gqa", "mla"] = key(
         "gqa",
         "gqa: grouped-query attention of n_heads / n_kv_heads heads of head_dim; mla: DeepSeek's multi-head latent "
@@ -82,8 +78,9 @@ class LlamaConfig(LanguageModelConfig):
     qk_rope_head_dim: int = key(64, "mla: each query head's rotated dimensions, and the one rotated key's", ">= 2")
     v_head_dim: int = key(128, "mla: width of each value head", ">= 1")
     rope_interleave: bool = key(True, "mla: the rotary pairs are interleaved (x0, x1), (x2, x3)... (DeepSeek-V3)")
-    hf_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"] = key(
-        "llama", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
+    hf_type: str = key(
+        "llama",
+        "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it), one the family computes",
     )
 
     @property

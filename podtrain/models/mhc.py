@@ -50,7 +50,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.config.keys import key, same_key
+from podtrain.config.schema import ModelConfig
 from podtrain.errors import ConfigError
 from podtrain.models import llama
 from podtrain.models.family import Family

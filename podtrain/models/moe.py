@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.config.keys import key, same_key
+from podtrain.config.schema import ModelConfig
 from podtrain.errors import ConfigError
 from podtrain.models import llama
 from podtrain.models.experts import RoutedExperts, Routing, balancing_loss
@@ -62,9 +63,7 @@ class MoeConfig(llama.LlamaConfig):
         "the experts' grouped matmuls: ragged_dot (XLA's jax.lax.ragged_dot), megablox (the Pallas TPU kernel, "
         "which visits only the rows a device's experts were given); auto: megablox on TPU, else ragged_dot",
     )
-    hf_type: Literal["mixtral", "qwen3_moe", "deepseek_v3"] = key(
-        "mixtral", "the Hugging Face model_type that `convert --to-hf` writes (`--from-hf` sets it)"
-    )
+    hf_type: str = same_key(llama.LlamaConfig, "hf_type", "mixtral")
 
     @property
     def expert_width(self) -> int:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.errors import ConfigError
-from podtrain.sharding import Pipeline, constrain, per_stage, stages
+from podtrain.sharding import Parallelism, constrain, per_stage, stages
 
 
 def run_stack(run: Callable, state, x, args: tuple, per_layer: tuple, decode: bool = False, unbatched=()):
@@ -60,7 +60,7 @@ def run_stack(run: Callable, state, x, args: tuple, per_layer: tuple, decode: bo
 
 
 def pipelined(
-    run_stage: Callable, state, names, x, per_example: tuple, per_layer: tuple, stages: int, pipeline: Pipeline
+    run_stage: Callable, state, names, x, per_example: tuple, per_layer: tuple, stages: int, pipeline: Parallelism
 ):
     """run_stage(stage's state, h, per_example, stage's per_layer) -> (h, reports (layers, ...)) over
     `stages` as `pipeline` says; returns (h, reports (layers, ...)), each layer's report the mean of

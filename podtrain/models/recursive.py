@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from podtrain.config.schema import ModelConfig, key, same_key
+from podtrain.config.keys import key, same_key
+from podtrain.config.schema import ModelConfig
 from podtrain.models.attention import Attention
 from podtrain.models.family import Family
 from podtrain.models.layers import (

@@ -25,13 +25,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from podtrain.axes import AXES, DCN_AXES, PLAIN_AXES
 from podtrain.config.checks import resolve_auto
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
 from podtrain.planning import cost, fit, hlo, network, precision
 from podtrain.planning.targets import Target
-from podtrain.runtime.mesh import DCN_AXES, build_mesh, factorizations, resolve_shape, slices
-from podtrain.sharding import AXES, PLAIN_AXES, microbatches_over
+from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape, slices
+from podtrain.sharding import microbatches_over
 from podtrain.train.job import build
 
 TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`

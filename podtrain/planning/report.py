@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+from podtrain.axes import AXES, DCN_AXES
 from podtrain.planning import cost, fit, precision
 from podtrain.planning.plan import Plan
 from podtrain.runtime.chips import GiB
-from podtrain.runtime.mesh import DCN_AXES
-from podtrain.sharding import AXES, microbatches_over
+from podtrain.sharding import microbatches_over
 
 
 def _op_json(o: cost.Operation) -> dict:

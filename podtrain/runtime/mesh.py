@@ -12,9 +12,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from podtrain.config.schema import MeshConfig
+from podtrain.axes import AXES, DCN_AXES
+from podtrain.config.parallel import MeshConfig
 from podtrain.errors import MeshError
-from podtrain.sharding import AXES
 
 
 def factorizations(n: int, axes: int = 3) -> list[tuple[int, ...]]:
@@ -22,9 +22,6 @@ def factorizations(n: int, axes: int = 3) -> list[tuple[int, ...]]:
     if axes == 1:
         return [(n,)]
     return [(d, *rest) for d in range(n, 0, -1) if n % d == 0 for rest in factorizations(n // d, axes - 1)]
-
-
-DCN_AXES = tuple(a for a in AXES if hasattr(MeshConfig, f"dcn_{a}"))  # the axes that may also span slices
 
 
 def _resolve(sizes: dict[str, int], n: int, what: str, keys: str) -> dict[str, int]:

@@ -14,7 +14,11 @@ import types
 import typing
 from typing import Any, Literal
 
-from podtrain.config.schema import MESH_AXIS_ALIASES, Config, ModelConfig, TrainConfig, default_of
+from podtrain.axes import MESH_AXIS_ALIASES
+from podtrain.config.keys import default_of
+from podtrain.config.load import MOVED
+from podtrain.config.schema import Config, ModelConfig, TrainConfig
+from podtrain.interop.hf.families import model_types
 from podtrain.models import MODELS
 from podtrain.models.attention.cores import CORES
 from podtrain.train.tasks.registry import task_of, train_config
@@ -50,6 +54,7 @@ dimensions `d_model`, `n_layers`, `n_heads`, `n_kv_heads`, `d_ff`, those the fam
 recipe's vocabulary, sequence length and precision stay). The environment pair
 `TPU_MESH_CONFIG="4,4,2"` with `TPU_AXIS_NAMES="data,model,fsdp"` sets the mesh (aliases:
 {aliases}).
+Keys that moved are still read where they were, each with a note: {moved}.
 
 In the tables, "-" is no default (the key is unset) or no constraint beyond the type.
 """
@@ -186,7 +191,10 @@ def _axis_aliases() -> str:
 def configuration_page() -> str:
     """The whole of docs/configuration.md."""
     intro = INTRO.format(
-        language=_families_reading("text"), puzzles=_families_reading("sudoku"), aliases=_axis_aliases()
+        language=_families_reading("text"),
+        puzzles=_families_reading("sudoku"),
+        aliases=_axis_aliases(),
+        moved=", ".join(f"`{old}` is `{new}`" for old, new in MOVED.items()),
     )
     parts = [intro, "\n## Top-level keys\n\n", _table(Config, "")]
     hints = typing.get_type_hints(Config)
@@ -285,7 +293,12 @@ def _model_section() -> list[str]:
         text = [f"It has every key of {_names(parents)} above, with the same defaults, and these." if parents else ""]
         text.append(_doc_line(family.config))
         text = " ".join(filter(None, text))
-        parts += [f"\n### `{name}`\n\n", f"{text}\n\n" if text else "", _table(family.config, "model.", skip=skip)]
+        choices = {"hf_type": model_types(name)}
+        parts += [
+            f"\n### `{name}`\n\n",
+            f"{text}\n\n" if text else "",
+            _table(family.config, "model.", skip=skip, choices=choices),
+        ]
     return parts
 
 

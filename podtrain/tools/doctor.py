@@ -31,7 +31,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podtrain.config.schema import Config, MeshConfig
+from podtrain.config.parallel import MeshConfig
+from podtrain.config.schema import Config
 from podtrain.errors import ChecksFailed, PodtrainError, first_line
 from podtrain.planning.fit import global_bytes, size
 from podtrain.runtime import devices as devices_lib

@@ -19,7 +19,7 @@ from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS, family
 from podtrain.sharding import (
-    Pipeline,
+    Parallelism,
     batch_sharding,
     data_parallel_size,
     microbatches_over,
@@ -127,12 +127,12 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     after = family(cfg.model).after_step
     # Under LoRA the base, an MoE router's bias with it, stays as it was.
     after_step = None if after is None or "base" in abstract_state else functools.partial(after, cfg.model)
-    pipeline = Pipeline(cfg.pipeline.microbatches, cfg.pipeline.repeats)
-    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, pipeline)
+    parallelism = Parallelism.of(cfg)
+    step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, parallelism)
     eval_step = sharded_jit(
         lambda params, batch: task.eval_fn(fns.module(params), batch),
         mesh,
-        pipeline,
+        parallelism,
         in_shardings=(shardings_of(fns.abstract_params), batch_sharding(mesh)),
     )
     tokens_per_step = t.batch_size * task.positions

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from podtrain import runtime, storage
 from podtrain.config.checks import resolve_auto
+from podtrain.config.parallel import MeshConfig
 from podtrain.config.saved import differences, run_config, save_config
-from podtrain.config.schema import Config, MeshConfig
+from podtrain.config.schema import Config
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, DataError
 from podtrain.interop.hf import checkpoint as hf_checkpoint

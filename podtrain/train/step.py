@@ -9,7 +9,7 @@ import optax
 from jax.sharding import Mesh
 
 from podtrain.models import lora
-from podtrain.sharding import GPIPE, Pipeline, batch_sharding, sharded_jit, shardings_of
+from podtrain.sharding import DEFAULT, Parallelism, batch_sharding, sharded_jit, shardings_of
 from podtrain.train import adapters, optim
 from podtrain.train.state import TrainSetup
 
@@ -22,7 +22,7 @@ def make_train_step(
     abstract_state: dict,
     seed: int = 0,
     after_step=None,
-    pipeline: Pipeline = GPIPE,
+    parallelism: Parallelism = DEFAULT,
 ):
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
@@ -73,7 +73,7 @@ def make_train_step(
 
     shardings, batches = shardings_of(abstract_state), batch_sharding(mesh, leading=1)
     jit = {"in_shardings": (shardings, batches), "out_shardings": (shardings, None), "donate_argnums": 0}
-    return sharded_jit(step, mesh, pipeline, **jit)
+    return sharded_jit(step, mesh, parallelism, **jit)
 
 
 def _pool(metric) -> jax.Array:

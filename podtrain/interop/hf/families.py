@@ -320,6 +320,11 @@ def tensor_layout(hf: dict) -> tuple[dict, tuple[str, ...]]:
     return {path: (moved(name), storage) for path, (name, storage) in table.items()}, layout["elsewhere"]
 
 
+def model_types(model_name: str) -> tuple[str, ...]:
+    """The model_types podtrain family `model_name` computes: its `model.hf_type` choices."""
+    return tuple(kind for kind, family in FAMILIES.items() if family.model_name == model_name)
+
+
 def family_of(hf: dict, where: str) -> HfFamily:
     kind = hf.get("model_type")
     if kind not in FAMILIES:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from podtrain.models.attention.cores import sees
 from podtrain.models.layers import HEADS, SEGMENTS
-from podtrain.sharding import gather, logical_spec, per_shard, shards
+from podtrain.sharding import gather, per_shard, shards
 
 
 def splash_attention(
@@ -67,8 +66,8 @@ def splash_attention(
         ids = jax.vmap(lambda q_ids, kv_ids: splash.SegmentIds(q=q_ids, kv=kv_ids))(rest[0], whole(rest[0], 1))
         return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids))(q, k, v, ids).transpose(0, 2, 1, 3)
 
-    def kernel_spec(mesh):  # each device's share of the mask's blocks: its heads and its query rows
-        return kernel.manual_sharding_spec(NamedSharding(mesh, logical_spec(("act_heads", "act_seq"), (n, t), mesh)))
+    def kernel_spec(placed):  # each device's share of the mask's blocks: its heads and its query rows
+        return kernel.manual_sharding_spec(placed(("act_heads", "act_seq"), (n, t)))
 
     arrays = (q_BTNH, k_BTKH, v_BTKH) + (() if segments is None else (segments,))
     names = (HEADS,) * 3 + (() if segments is None else (SEGMENTS,))

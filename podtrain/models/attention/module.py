@@ -15,7 +15,7 @@ from podtrain.models.attention.kernels import splash_attention
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, param
 from podtrain.models.rope import apply_rope
-from podtrain.sharding import constrain, context_order, positions_of, shards
+from podtrain.sharding import constrain, context_order, context_strategy, positions_of, shards
 
 
 class Attention(nnx.Module):
@@ -47,7 +47,6 @@ class Attention(nnx.Module):
         scale: float | None = None,
         softcap: float = 0.0,
         windows: tuple[int, ...] = (),
-        context: str = "all_gather",
     ):
         head_dim = head_dim or d_model // n_heads
         self.wq = param(rngs, (d_model, n_heads, head_dim), ("embed", "heads", "head_dim"), std)
@@ -67,7 +66,7 @@ class Attention(nnx.Module):
         self.scale, self.softcap = scale or head_dim**-0.5, softcap
         self.windows = windows  # the layers' distinct sliding windows (0: none), for kernels that need them static
         self.implementation = None if implementation == "auto" else implementation
-        self.causal, self.context = causal, context  # context: the strategy when the sequence is split
+        self.causal = causal
 
     def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k and v of x, rotated by position. With `share_kv`, k/v heads that the head shards
@@ -171,7 +170,7 @@ class Attention(nnx.Module):
                 positions,
                 segments,
                 window,
-                strategy=self.context,
+                strategy=context_strategy(),
                 causal=self.causal,
                 scale=self.scale,
                 softcap=self.softcap,

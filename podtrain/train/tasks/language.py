@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from podtrain.config.schema import Config, TrainConfig, key
+from podtrain.config.keys import key
+from podtrain.config.schema import Config, TrainConfig
 from podtrain.data import chat, pairs
 from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id

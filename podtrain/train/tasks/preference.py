@@ -32,7 +32,7 @@ from podtrain.config.schema import Config
 from podtrain.data import pairs
 from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import CheckpointError, DataError
-from podtrain.sharding import Pipeline, batch_sharding, sharded_jit, shardings_of
+from podtrain.sharding import Parallelism, batch_sharding, sharded_jit, shardings_of
 
 REFERENCE_FILE = "dpo_reference.npz"
 
@@ -169,7 +169,7 @@ class Preferences:
         run = sharded_jit(
             lambda params, batch: self.log_probs(fns.module(params), batch)[0],
             self.mesh,
-            Pipeline(self.cfg.pipeline.microbatches, self.cfg.pipeline.repeats),
+            Parallelism.of(self.cfg),
             in_shardings=(shardings_of(fns.abstract_params), batch_sharding(self.mesh)),
             out_shardings=NamedSharding(self.mesh, PartitionSpec()),
         )
