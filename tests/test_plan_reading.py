@@ -280,6 +280,33 @@ ENTRY %main (x: bf16[64,8], room: bf16[256,8], o: s32[4], s: s32[4], w: bf16[2,8
 )
 
 
+RAGGED_ON_A_GPU = """HloModule m
+
+ENTRY %main (x: f32[64,8], room: f32[256,8], o: s64[4], s: s64[4]) -> f32[64,8] {
+  %x = f32[64,8]{1,0} parameter(0)
+  %room = f32[256,8]{1,0} parameter(1)
+  %o = s64[4]{0} parameter(2)
+  %s = s64[4]{0} parameter(3)
+  %go = ((f32[64,8]{1,0}, f32[256,8]{1,0}, OFFSETS), f32[256,8]{1,0}) ragged-all-to-all-start(%x, %room, SENT
+  %there = f32[256,8]{1,0} ragged-all-to-all-done(%go)
+  %back = ((f32[256,8]{1,0}, f32[64,8]{1,0}, OFFSETS), f32[64,8]{1,0}) ragged-all-to-all-start(%there, %x, SENT
+  ROOT %home = f32[64,8]{1,0} ragged-all-to-all-done(%back)
+}
+""".replace("OFFSETS", "s64[4]{0}, s64[4]{0}, s64[4]{0}, /*index=5*/s64[4]{0}").replace(
+    "SENT", "%o, %s, %o, /*index=5*/%s), replica_groups={{0,1,2,3}}"
+)
+
+
+def test_the_gpus_asynchronous_ragged_all_to_all_moves_its_rows_each_way():
+    """The GPU's ragged-all-to-all-start holds its operands beside its output: out to a room of 256
+    and back from it, each counts the 64 rows sent, on the network and in device memory (read
+    from the compiled step, Mixtral's shape on H100 x 8 read 2.5x the copies before)."""
+    found = hlo.collectives(RAGGED_ON_A_GPU)
+    assert [c.bytes for c in found] == [64 * 8 * 4] * 2
+    starts = [o for o in cost.operations(RAGGED_ON_A_GPU) if o.op == "ragged-all-to-all-start"]
+    assert [o.bytes for o in starts] == [2 * 64 * 8 * 4] * 2
+
+
 def test_a_ragged_all_to_all_moves_its_rows_and_a_grouped_matmul_costs_the_rows_it_runs():
     """A ragged all-to-all counts the rows it sends (64), not the receiver's room for 256, on the
     network and in device memory; a

@@ -211,6 +211,8 @@ def _async_start(op: str, type_text: str, operand_sizes: list[int]) -> int:
     if op == "slice-start":
         sliced = hlo.nbytes(hlo.elements(type_text)[1])
         return (sliced if sum(operand_sizes) else 0) + sum(parts[1])
+    if op == "ragged-all-to-all-start":  # ((operands), output): the rows it sends, read and written
+        return 2 * min(operand_sizes[0], sum(parts[1]))
     return sum(operand_sizes) + sum(sum(p) for p in parts[1:2])
 
 

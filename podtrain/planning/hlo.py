@@ -191,6 +191,8 @@ def collectives(hlo: str) -> list[Collective]:
                 # (inputs, outputs), then the TPU's scalar u32 contexts: the outputs are what moves
                 arrays = [a for a in arrays if a[1]]
                 arrays = arrays[len(arrays) // 2 :][:1] if kind == "collective-permute" else arrays[len(arrays) // 2 :]
+            elif started and kind == "ragged-all-to-all":
+                arrays = arrays[-1:]  # the GPU's ((its operands), output): the output buffer
             groups = _GROUPS.search(line) or _PAIRS.search(line)
             group_size = _group_size(groups.group(1)) if groups else None
             if group_size == 1:
