@@ -192,10 +192,10 @@ def stages() -> tuple[int, Parallelism]:
     1) outside `sharded_jit`."""
     mesh = _TRACING_MESH.get()
     n = 1 if mesh is None else mesh.shape["stage"]
+    if n == 1:
+        return 1, Parallelism(1, 1)
     asked = _PARALLELISM.get()
-    return (
-        (n, asked._replace(microbatches=microbatches_over(n, asked.microbatches))) if n > 1 else (1, Parallelism(1, 1))
-    )
+    return n, asked._replace(microbatches=microbatches_over(n, asked.microbatches))
 
 
 def context_strategy() -> str:

@@ -41,8 +41,15 @@ def validate(cfg: Config) -> None:
     _check_ranges(cfg)
     cfg.model.validate()
     check_paths(cfg)
-    checks = (_check_train, _check_data, _check_attention, _check_experts, _check_pipeline, _check_hf_type)
-    for check in (*checks, _check_logging):
+    for check in (
+        _check_train,
+        _check_data,
+        _check_attention,
+        _check_experts,
+        _check_pipeline,
+        _check_hf_type,
+        _check_logging,
+    ):
         check(cfg)
 
 

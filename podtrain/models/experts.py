@@ -95,7 +95,7 @@ def expert_parallel(x, chosen, w_in, w_down, kernel: str = "ragged_dot", capacit
     0: none) by fixed buffers. The experts' hidden layer stays split over tensor (Megatron: one
     all-reduce of the outputs), and their weights, split over fsdp, are gathered where used and
     again in the backward, never kept whole (ZeRO-3)."""
-    b, t, k = chosen.shape
+    _, t, k = chosen.shape
     experts = len(w_in)
     ragged = not capacity and (exchanges_ragged() or shards_along("exp") == 1)
     places = None if ragged else jax.vmap(queue_places, (0, None))(chosen, experts)  # per sequence

@@ -181,6 +181,7 @@ def collectives(hlo: str) -> list[Collective]:
     for name, lines in bodies.items():
         if not times.get(name):
             continue
+        types = {}  # the computation's results' types, read once a ragged all-to-all asks its operand's
         for line in lines:
             match = _INSTRUCTION.match(line)
             if not match:
@@ -201,7 +202,8 @@ def collectives(hlo: str) -> list[Collective]:
             if kind == "reduce-scatter":
                 size *= group_size or 1
             elif kind == "ragged-all-to-all":
-                size = min(size, _first_operand_bytes(line, lines))
+                types = types or {result: type_text for _, result, type_text, _, _ in instructions(lines)}
+                size = min(size, _first_operand_bytes(line, types))
             elif kind == "all-reduce" and _sliced_by_root(lines, instruction):
                 kind = "reduce-scatter"  # the TPU's all-reduce-scatter fusion: each device keeps its slice
             found.append(
@@ -219,10 +221,9 @@ def collectives(hlo: str) -> list[Collective]:
     return found
 
 
-def _first_operand_bytes(line: str, lines: list[str]) -> int:
-    """Bytes of an instruction's first operand, by its name among the computation's `lines`."""
+def _first_operand_bytes(line: str, types: dict[str, str]) -> int:
+    """Bytes of an instruction's first operand, by its name among its computation's result `types`."""
     operands = next(instructions([line]), (None, None, None, None, []))[4]
-    types = {result: type_text for _, result, type_text, _, _ in instructions(lines)}
     return nbytes(types.get(operands[0], "")) if operands else 0
 
 

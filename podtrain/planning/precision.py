@@ -28,8 +28,10 @@ def no_gain(chip: Chip | None, policy: str) -> str | None:
 
 def sentence(chip: Chip, policy: str, matmul_flops: float | None, narrow_flops: float | None) -> str | None:
     """The plan's word on the policy: None under "compute"."""
-    if policy == "compute" or (said := no_gain(chip, policy)):
-        return None if policy == "compute" else said
+    if policy == "compute":
+        return None
+    if said := no_gain(chip, policy):
+        return said
     if not matmul_flops or not narrow_flops:
         return f"no {policy} matmuls in the compiled step: the compiler widened them; they run at bf16's rate"
     return (

@@ -124,7 +124,7 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     task = task_of(record)(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
-    after = family(cfg.model).after_step
+    after = record.after_step
     # Under LoRA the base, an MoE router's bias with it, stays as it was.
     after_step = None if after is None or "base" in abstract_state else functools.partial(after, cfg.model)
     parallelism = Parallelism.of(cfg)
