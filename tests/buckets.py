@@ -249,15 +249,17 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transf
 class FaultyProxy:
     """A loopback HTTP/1.1 proxy in front of a server that adds `delay` seconds to every request,
     answers every `fail_every`-th request with the server's own kind of 503 and drops every
-    `drop_every`-th one (its connection closed without an answer), neither reaching the server. The
+    `drop_every`-th one (its connection closed without an answer), neither reaching the server, and
+    loses the answer to every `lose_every`-th (the server acts on it; the connection closes). The
     count runs over all requests, so the faults fall on the same requests each run. It forwards
     everything else as it came, the Host header included, but for a Location header naming the server,
     which it makes name itself (so that a resumable upload's chunks come through it as well); a server
-    that is down is a 502. Settings may change while it runs; `requests`, `failed` and `dropped` count."""
+    that is down is a 502. Settings may change while it runs; `requests`, `failed`, `dropped` and `lost` count."""
 
-    def __init__(self, server, *, delay: float = 0.0, fail_every: int = 0, drop_every: int = 0):
+    def __init__(self, server, *, delay: float = 0.0, fail_every: int = 0, drop_every: int = 0, lose_every: int = 0):
         self.server, self.delay, self.fail_every, self.drop_every = server, delay, fail_every, drop_every
-        self.requests = self.failed = self.dropped = 0
+        self.lose_every = lose_every
+        self.requests = self.failed = self.dropped = self.lost = 0
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         handler = type("Handler", (_Forward,), {"proxy": self})
@@ -272,11 +274,11 @@ class FaultyProxy:
         return self.server.env_for(self.url)
 
     def counts(self) -> dict[str, int]:
-        return {"requests": self.requests, "failed": self.failed, "dropped": self.dropped}
+        return {"requests": self.requests, "failed": self.failed, "dropped": self.dropped, "lost": self.lost}
 
     def reset(self) -> None:
         with self._lock:
-            self.requests = self.failed = self.dropped = 0
+            self.requests = self.failed = self.dropped = self.lost = 0
 
     def close(self) -> None:
         self._httpd.shutdown()
@@ -300,6 +302,9 @@ class FaultyProxy:
             if self.fail_every and self.requests % self.fail_every == 0:
                 self.failed += 1
                 return "fail"
+            if self.lose_every and self.requests % self.lose_every == 0:
+                self.lost += 1
+                return "lose"
             return None
 
 
@@ -329,7 +334,7 @@ class _Forward(http.server.BaseHTTPRequestHandler):
         fault = proxy._fault()
         time.sleep(proxy.delay)
         body = self._body()
-        if fault is not None:
+        if fault in ("drop", "fail"):
             for _ in body:  # read what was sent, so that the connection stays in step (or closes cleanly)
                 pass
             if fault == "drop":
@@ -357,6 +362,11 @@ class _Forward(http.server.BaseHTTPRequestHandler):
                 pass
             upstream.close()
             return self._reply(502, ("text/plain", f"FaultyProxy: {target}: {e}".encode()))
+        if fault == "lose":  # done by the server, its answer lost on the way back
+            response.read()
+            upstream.close()
+            self.close_connection = True
+            return
         try:
             self._relay(response)
         except (OSError, http.client.HTTPException):  # the server died mid-answer: so does this connection

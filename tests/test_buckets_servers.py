@@ -61,9 +61,9 @@ def test_a_proxy_without_faults_forwards_everything(kind, request, faulty_proxy)
             assert r.headers["Location"].startswith(f"{proxy.url}/upload/storage/v1/b/{bucket.name}/o?")
 
 
-@pytest.mark.parametrize("fault", ["fail_every", "drop_every"])
+@pytest.mark.parametrize("fault", ["fail_every", "drop_every", "lose_every"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_clients_retry_what_the_proxy_fails_or_drops(kind, fault, request, faulty_proxy):
+def test_the_clients_retry_what_the_proxy_fails_drops_or_loses(kind, fault, request, faulty_proxy):
     bucket = request.getfixturevalue(kind)
     proxy = faulty_proxy(bucket, **{fault: 3})
     fs = fsspec.filesystem(kind)
@@ -72,7 +72,7 @@ def test_the_clients_retry_what_the_proxy_fails_or_drops(kind, fault, request, f
     assert fs.cat_file(f"{bucket.name}/a", start=2, end=5) == b"234"
     assert fs.ls(bucket.name, detail=False) == [f"{bucket.name}/a", f"{bucket.name}/b"]
     print(kind, fault, proxy.counts())
-    assert proxy.failed + proxy.dropped >= 1
+    assert proxy.failed + proxy.dropped + proxy.lost >= 1
 
 
 # In a process of its own: it reaches the server by the environment the fixtures set, as a podtrain

@@ -107,6 +107,19 @@ def test_a_run_directory_in_a_bucket_has_one_writer(gcs):
         assert json.loads(fsspec.filesystem("gs").cat_file(f"{gcs.name}/run/.lock"))["pid"] == os.getpid()
 
 
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_a_lease_whose_answer_was_lost_on_the_way_back_is_still_this_jobs(kind, request, faulty_proxy):
+    """The lease's create reaches the bucket but its answer is lost: the client's retry finds the
+    object there. It is this job's own, not another job's, and the job goes on."""
+    bucket = request.getfixturevalue(kind)
+    run = storage.path(f"{bucket.path}/run")
+    proxy = faulty_proxy(bucket, lose_every=2)  # the bucket's check, then the lease's create: its answer lost
+    with lease.hold(run):
+        held = json.loads(storage.filesystem(run).cat_file(f"{bucket.name}/run/.lock"))
+        assert held["pid"] == os.getpid() and proxy.lost >= 1
+    assert not run.joinpath(".lock").exists()
+
+
 def test_s3_holds_data_and_run_files_and_checkpoints_go_where_orbax_writes(s3, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     bucket = s3.path

@@ -47,7 +47,7 @@ def _kill_after_a_checkpoint(processes, fs, name, run, at_least=2, timeout=300):
     """SIGKILL the processes once a checkpoint of step `at_least` or later has committed."""
     deadline = time.monotonic() + timeout
     while not [s for s in _committed(fs, name, run) if s >= at_least]:
-        assert all(p.poll() is None for p in processes), [p.communicate()[0][-2000:] for p in processes]
+        assert all(p.poll() is None for p in processes), "\n---\n".join(p.communicate()[0][-3000:] for p in processes)
         assert time.monotonic() < deadline
         time.sleep(0.2)
     for p in processes:

@@ -11,9 +11,10 @@ renewed within STALE_S and takes over an older one, whose holder died without cl
 
 In a bucket, which has no locks, the lease is the object RUN_DIR/.lock alone, created only if
 absent (GCS if-generation-match=0, S3 If-None-Match), so of two jobs starting at once one wins. It
-records its holder and the time of its last renewal; a lease not renewed within STALE_S, or held
-by a process of this host that no longer runs (a job killed and restarted here), is replaced,
-again only if absent, and the job that ends deletes it.
+records its holder, a token of its own (a create retried after its answer was lost finds its own
+object) and the time of its last renewal; a lease not renewed within STALE_S, or held by a process
+of this host that no longer runs (a job killed and restarted here), is replaced, again only if
+absent, and the job that ends deletes it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -102,7 +104,8 @@ def hold(run_dir):
 
 
 def _holder() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "token": uuid.uuid4().hex}
 
 
 def _alive(holder: dict) -> bool:
@@ -117,11 +120,14 @@ def _alive(holder: dict) -> bool:
 
 
 def _take(fs, name: str, holder: dict) -> bool:
-    """Create the lease object if it is absent; whether this job now holds it."""
+    """Create the lease object if it is absent; whether this job now holds it. A create whose answer
+    was lost is retried by the client and finds the object there: the token tells it is this job's."""
     try:
         fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode(), mode="create")
         return True
     except FileExistsError:
+        with suppress(FileNotFoundError, ValueError):
+            return json.loads(fs.cat_file(name)).get("token") == holder["token"]
         return False
 
 
