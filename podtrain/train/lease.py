@@ -119,26 +119,25 @@ def _alive(holder: dict) -> bool:
         return False
 
 
-def _take(fs, name: str, holder: dict) -> bool:
-    """Create the lease object if it is absent; whether this job now holds it. A create whose answer
-    was lost is retried by the client and finds the object there: the token tells it is this job's."""
+def _take(fs, name: str, holder: dict) -> dict | None:
+    """Create the lease object if it is absent: None once this job holds it, else the lease found. A
+    create whose answer was lost is retried by the client and finds the object there: its token
+    tells it is this job's."""
     try:
         fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode(), mode="create")
-        return True
+        return None
     except FileExistsError:
-        with suppress(FileNotFoundError, ValueError):
-            return json.loads(fs.cat_file(name)).get("token") == holder["token"]
-        return False
+        try:
+            other = json.loads(fs.cat_file(name))
+        except (FileNotFoundError, ValueError):  # ended meanwhile, or half of a foreign file: try once more
+            return {"renewed": 0}
+        return None if other.get("token") == holder["token"] else other
 
 
 @contextmanager
 def _held_in_bucket(run_dir):
     fs, name, holder = storage.filesystem(run_dir), f"{storage.key(run_dir).rstrip('/')}/.lock", _holder()
-    if not _take(fs, name, holder):
-        try:
-            other = json.loads(fs.cat_file(name))
-        except (FileNotFoundError, ValueError):  # ended meanwhile, or half of a foreign file: try once more
-            other = {"renewed": 0}
+    if (other := _take(fs, name, holder)) is not None:
         silent = time.time() - other.get("renewed", 0)
         described = f"host {other.get('host')}, pid {other.get('pid')}, since {other.get('since')}"
         if silent < STALE_S and _alive(other):
@@ -146,7 +145,7 @@ def _held_in_bucket(run_dir):
         print(f"[podtrain] taking over {run_dir} from a job that ended without clearing its lease ({described})")
         with suppress(FileNotFoundError):
             fs.rm_file(name)
-        if not _take(fs, name, holder):
+        if _take(fs, name, holder) is not None:
             raise _in_use(run_dir, "a job that took it over at the same moment")
     try:
         with _renewed(lambda: fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode())):
