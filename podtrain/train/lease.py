@@ -119,12 +119,17 @@ def _alive(holder: dict) -> bool:
         return False
 
 
+def _lease(holder: dict) -> bytes:
+    """The lease object's content: its holder, renewed now."""
+    return json.dumps({**holder, "renewed": time.time()}).encode()
+
+
 def _take(fs, name: str, holder: dict) -> dict | None:
     """Create the lease object if it is absent: None once this job holds it, else the lease found. A
     create whose answer was lost is retried by the client and finds the object there: its token
     tells it is this job's."""
     try:
-        fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode(), mode="create")
+        fs.pipe_file(name, _lease(holder), mode="create")
         return None
     except FileExistsError:
         try:
@@ -148,7 +153,7 @@ def _held_in_bucket(run_dir):
         if _take(fs, name, holder) is not None:
             raise _in_use(run_dir, "a job that took it over at the same moment")
     try:
-        with _renewed(lambda: fs.pipe_file(name, json.dumps({**holder, "renewed": time.time()}).encode())):
+        with _renewed(lambda: fs.pipe_file(name, _lease(holder))):
             yield
     finally:
         with suppress(Exception):  # a bucket gone: the lease goes stale by itself
