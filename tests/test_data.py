@@ -4,6 +4,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -111,6 +114,37 @@ def test_saved_dataset_and_jsonl_give_the_same_shards(corpus, tmp_path):
     for split in ("train", "val"):
         a, b = TokenStream.of(tmp_path / "shards", manifest, split), TokenStream.of(corpus / "shards", ours, split)
         np.testing.assert_array_equal(a[0 : len(a)], b[0 : len(b)])
+
+
+def test_threads_reading_a_stream_open_its_shards_once_one_header_at_a_time(corpus, monkeypatch):
+    """The loader's threads read one stream at once; a `.npy` header is parsed by ast.literal_eval, which
+    CPython 3.11 cannot run in two threads at once (a SystemError), so the shards open once, in one thread."""
+    stream = TokenStream.of(corpus / "shards", load_manifest(corpus / "shards"), "train")
+    load, lock, opened, now, most = np.load, threading.Lock(), [], [0], [0]
+
+    def slow_load(*args, **kwargs):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.02)  # wide enough for another thread to come in
+        opened.append(args[0])
+        with lock:
+            now[0] -= 1
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(np, "load", slow_load)
+    start = threading.Barrier(4)
+
+    def read(i):
+        start.wait()
+        return stream[i * 100 : i * 100 + 50]
+
+    with ThreadPoolExecutor(4) as pool:
+        windows = list(pool.map(read, range(4)))
+    assert most[0] == 1 and sorted(opened) == sorted(stream.files)
+    monkeypatch.undo()
+    for i, window in enumerate(windows):
+        np.testing.assert_array_equal(window, stream[i * 100 : i * 100 + 50])
 
 
 def test_packing_puts_every_token_in_an_epoch_once(corpus):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,9 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 BLOCK = 1 << 20  # bytes a range read fetches: neighbouring windows share it
 CACHE_BLOCKS = 256  # blocks kept per process (256 MiB): a small corpus is fetched once
+# Opening a shard parses its `.npy` header with ast.literal_eval, which CPython 3.11 cannot run in two
+# threads at once ("SystemError: AST constructor recursion depth mismatch"); the loader reads in threads.
+_OPENING = threading.Lock()
 
 
 def shard_file(folder: Path, split: str, index: int) -> Path:
@@ -89,16 +93,17 @@ class TokenStream:
         return remote and len(self) * self.itemsize > CACHE_BLOCKS * BLOCK
 
     def _shards(self) -> list[np.ndarray]:
-        if self._arrays is None:
-            try:
-                self._arrays = [
-                    RemoteShard(f) if storage.is_remote(f) else np.load(f, mmap_mode="r") for f in self.files
-                ]
-            except (OSError, ValueError) as e:
-                raise DataError(
-                    f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
-                ) from None
-        return self._arrays
+        with _OPENING:
+            if self._arrays is None:
+                try:
+                    self._arrays = [
+                        RemoteShard(f) if storage.is_remote(f) else np.load(f, mmap_mode="r") for f in self.files
+                    ]
+                except (OSError, ValueError) as e:
+                    raise DataError(
+                        f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
+                    ) from None
+            return self._arrays
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
