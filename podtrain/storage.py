@@ -18,6 +18,7 @@ no credentials, no server) into one paragraph naming the path and what to check.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -119,7 +120,7 @@ def cache_root() -> Path:
 def local_copy(p: str | os.PathLike) -> Path:
     """A local path holding what `p` holds, for libraries that read only local files (tokenizers,
     safetensors): `p` itself when local; for a bucket's file or folder, a copy in this host's cache,
-    fetched again only when the objects' listing (names, sizes, versions) changed."""
+    one per version of the objects (their names, sizes and generations), fetched once."""
     if not is_remote(p):
         return Path(p)
     fs, name = filesystem(p), key(p).rstrip("/")
@@ -131,19 +132,29 @@ def local_copy(p: str | os.PathLike) -> Path:
     except Exception as e:  # noqa: BLE001
         raise explain(e, p) or e from None
     stamp = json.dumps({k: [v.get("size"), str(v.get("generation") or v.get("ETag"))] for k, v in listing.items()})
-    target = cache_root() / "buckets" / scheme(p) / name
-    record = target.parent / f".{target.name}.listing"
-    if not (record.is_file() and record.read_text() == stamp and target.exists()):
-        if target.is_dir():
-            shutil.rmtree(target)
-        target.unlink(missing_ok=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for remote in listing:
-            local = target / os.path.relpath(remote, name) if folder else target
-            local.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote, str(local))
-        record.write_text(stamp)
-    return target
+    copy = cache_root() / "buckets" / scheme(p) / f"{name}@{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    files = {remote: os.path.relpath(remote, name) if folder else os.path.basename(name) for remote in listing}
+    if not copy.is_dir():
+        _fetch(fs, files, copy)
+    return copy if folder else copy / os.path.basename(name)
+
+
+def _fetch(fs, files: dict[str, str], copy: Path) -> None:
+    """The objects fetched into a folder of this process's own, renamed to `copy` whole: processes of
+    one host that fetch the same version at once each end with a whole copy, never with one another's
+    half (one renames its folder into place; the others find it there and drop theirs)."""
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    fetching = Path(tempfile.mkdtemp(dir=copy.parent, prefix=f".{copy.name}."))
+    try:
+        for remote, relative in files.items():
+            (fetching / relative).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote, str(fetching / relative))
+        fetching.rename(copy)
+    except OSError:
+        if not copy.is_dir():  # not a copy another process renamed into place first
+            raise
+    finally:
+        shutil.rmtree(fetching, ignore_errors=True)
 
 
 def upload(folder: str | os.PathLike, out: str | os.PathLike, last: tuple[str, ...] = ()) -> None:

@@ -4,6 +4,9 @@ train as a local run does; nothing becomes a local folder named after a scheme; 
 
 import json
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import numpy as np
@@ -172,6 +175,42 @@ def test_convert_writes_to_and_reads_from_a_bucket_every_tensor_equal(gcs, tmp_p
         np.testing.assert_array_equal(there[name], tensor)
         np.testing.assert_array_equal(again[name], tensor)
     assert storage.path(f"{hf}/config.json").is_file() and not [f for f in _files(tmp_path) if f.startswith("gs:")]
+
+
+def test_processes_of_a_host_that_copy_a_bucket_folder_at_once_each_get_a_whole_copy(gcs, tmp_path, monkeypatch):
+    """The processes of one host load a bucket's tokenizer at once: each fetches into a folder of its
+    own, renamed into place whole, so none reads another's half-made copy. A version is fetched once;
+    a changed object is a new version; a file is copied under its own name."""
+    files = {"tokenizer.json": b'{"one": 1}', "nested/config.json": b"{}"}
+    for name, data in files.items():
+        storage.write_bytes(f"{gcs.path}/tok/{name}", data)
+    monkeypatch.setenv("PODTRAIN_CACHE", str(tmp_path))
+    fs, fetched = storage.filesystem(gcs.path), []
+    get_file = fs.get_file
+
+    def slow_get_file(remote, local, **kwargs):  # a slow link, so the fetches overlap
+        fetched.append(remote)
+        time.sleep(0.05)
+        return get_file(remote, local, **kwargs)
+
+    monkeypatch.setattr(fs, "get_file", slow_get_file)
+    start = threading.Barrier(4)
+
+    def load(_) -> dict[str, bytes]:
+        start.wait()
+        folder = storage.local_copy(f"{gcs.path}/tok")
+        return {name: (folder / name).read_bytes() for name in files}
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(load, range(4))) == [files] * 4
+    fetches = len(fetched)
+    assert 2 <= fetches <= 8 and storage.local_copy(f"{gcs.path}/tok") and len(fetched) == fetches
+    storage.write_bytes(f"{gcs.path}/tok/tokenizer.json", b'{"two": 2}')
+    changed = storage.local_copy(f"{gcs.path}/tok")
+    assert (changed / "tokenizer.json").read_bytes() == b'{"two": 2}' and len(fetched) == fetches + 2
+    file = storage.local_copy(f"{gcs.path}/tok/nested/config.json")
+    assert file.name == "config.json" and file.read_bytes() == b"{}"
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no fetch left behind
 
 
 def test_a_step_a_save_left_incomplete_in_a_bucket_is_never_restored(gcs, tmp_path, monkeypatch, capsys):
