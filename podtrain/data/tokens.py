@@ -93,17 +93,19 @@ class TokenStream:
         return remote and len(self) * self.itemsize > CACHE_BLOCKS * BLOCK
 
     def _shards(self) -> list[np.ndarray]:
-        with _OPENING:
-            if self._arrays is None:
-                try:
-                    self._arrays = [
-                        RemoteShard(f) if storage.is_remote(f) else np.load(f, mmap_mode="r") for f in self.files
-                    ]
-                except (OSError, ValueError) as e:
-                    raise DataError(
-                        f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
-                    ) from None
-            return self._arrays
+        if self._arrays is None:
+            with _OPENING:
+                if self._arrays is None:  # not opened by another thread while this one waited
+                    self._arrays = self._open()
+        return self._arrays
+
+    def _open(self) -> list[np.ndarray]:
+        try:
+            return [RemoteShard(f) if storage.is_remote(f) else np.load(f, mmap_mode="r") for f in self.files]
+        except (OSError, ValueError) as e:
+            raise DataError(
+                f"Could not read the prepared shards ({e}); prepare the corpus again into a new folder."
+            ) from None
 
     def __getitem__(self, window: slice) -> np.ndarray:
         start, stop, _ = window.indices(len(self))
