@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import jax
-from podtrain.config.load import load_config
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.digest import checksums
-from podtrain.train.job import build
 
 MODEL = [
     "model.d_model=640",

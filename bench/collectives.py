@@ -22,12 +22,12 @@ import math  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-from podtrain.config.checks import resolve_auto  # noqa: E402
-from podtrain.config.load import load_config  # noqa: E402
 from podtrain.planning.hlo import KINDS, collectives, summary  # noqa: E402
+from podtrain.program.checks import resolve_auto  # noqa: E402
+from podtrain.program.job import build, compile_step  # noqa: E402
+from podtrain.program.load import load_config  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
 from podtrain.sharding import AXES  # noqa: E402
-from podtrain.train.job import build, compile_step  # noqa: E402
 
 # data x stage x fsdp x context x expert x tensor
 MESHES = "1x1x1x1x1x1,8x1x1x1x1x1,1x1x8x1x1x1,1x1x1x1x1x8,2x1x2x1x1x2"

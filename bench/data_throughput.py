@@ -31,16 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from podtrain.config.checks import resolve_auto
-from podtrain.config.load import load_config
 from podtrain.data import tokens
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import fit_bpe
+from podtrain.program.checks import resolve_auto
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.tasks.language import LanguageTask
 from podtrain.runtime.devices import hide_absent_tpu
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
-from podtrain.train.tasks.language import LanguageTask
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 H100_STEP_TOKENS = 0.5 * 989e12 / (6 * 1.1e9)  # tokens/s of a 1.1B step at 50% MFU

@@ -17,9 +17,9 @@ import jax
 
 jax.config.update("jax_platforms", "cpu")  # as `podtrain plan`: no accelerator is started
 
-from podtrain.config.load import load_config  # noqa: E402
 from podtrain.planning import plan  # noqa: E402
 from podtrain.planning import targets as hardware  # noqa: E402
+from podtrain.program.load import load_config  # noqa: E402
 from podtrain.runtime.chips import GiB  # noqa: E402
 
 RECIPE = Path(__file__).parent.parent / "configs" / "llama_1b.yaml"

@@ -34,7 +34,7 @@ PRESETS = {  # (d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, tied)
 
 
 def model_config(preset: str, max_seq_len: int = 2048):
-    from podtrain.config.load import load_config
+    from podtrain.program.load import load_config
 
     d, layers, heads, kv, ff, vocab, tied = PRESETS[preset]
     keys = dict(
@@ -64,7 +64,7 @@ def write_checkpoint(preset: str, folder: Path) -> dict:
     from podtrain.interop.hf.config_json import hf_config
     from podtrain.interop.hf.families import LLAMA_TENSORS
     from podtrain.models import build_model
-    from podtrain.train.digest import leaf_name
+    from podtrain.trees import leaf_name
     from safetensors.numpy import save_file
 
     cfg = model_config(preset).model
@@ -115,13 +115,13 @@ def naive_load(folder: str) -> None:
     import jax
     import numpy as np
     from podtrain import runtime
-    from podtrain.config.checks import resolve_auto
-    from podtrain.config.load import load_config
     from podtrain.interop.hf.checkpoint import _names
     from podtrain.interop.hf.config_json import model_keys
     from podtrain.interop.hf.families import LLAMA_TENSORS
-    from podtrain.train.digest import leaf_name
-    from podtrain.train.state import model_fns
+    from podtrain.program.checks import resolve_auto
+    from podtrain.program.load import load_config
+    from podtrain.program.state import model_fns
+    from podtrain.trees import leaf_name
     from safetensors.numpy import load_file
 
     keys = model_keys(json.loads((Path(folder) / "config.json").read_text()), folder)
@@ -172,9 +172,9 @@ def convert(args) -> None:
 
 def generate(args) -> None:
     import jax
+    from podtrain.program.state import model_fns
+    from podtrain.program.tasks.sampling import cached_tokens, window_tokens
     from podtrain.runtime.mesh import build_mesh
-    from podtrain.train.state import model_fns
-    from podtrain.train.tasks.sampling import cached_tokens, window_tokens
 
     cfg = model_config("135m", args.window)
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))

@@ -17,10 +17,10 @@ import statistics
 import time
 
 import jax
-from podtrain.config.load import load_config
 from podtrain.planning import cost, fit
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
 
 from checkpoint_stall import MODEL, TRAIN
 

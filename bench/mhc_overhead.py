@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from podtrain.config.load import load_config
+from podtrain.program.load import load_config
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 

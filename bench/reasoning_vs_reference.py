@@ -43,12 +43,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from podtrain.config.load import load_config
 from podtrain.data import sudoku
 from podtrain.models.recursive import INIT_KEY
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.tasks.puzzles import split
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
-from podtrain.train.tasks.puzzles import split
 
 ROOT = Path(__file__).parent.parent
 RECIPES = {

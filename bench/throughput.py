@@ -41,14 +41,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from podtrain.axes import AXES, PLAIN_AXES
-from podtrain.config.checks import resolve_auto
-from podtrain.config.load import load_config
 from podtrain.planning import fit
+from podtrain.program import optim
+from podtrain.program.checks import resolve_auto
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.chips import device_memory, peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train import optim
-from podtrain.train.job import build
 
 PRESETS = {
     # The 3.3M-parameter Llama of the CPU comparison.

@@ -31,7 +31,7 @@ FLAG_ALIASES = {
 
 def _config(args):
     """The config of a train or doctor command line: file, setup-guide flags, then overrides."""
-    from podtrain.config.load import load_config
+    from podtrain.program.load import load_config
 
     overrides = [f"{FLAG_ALIASES[flag]}={value}" for flag, value in getattr(args, "flags", {}).items()]
     return load_config(args.config, overrides + args.overrides, small_model=getattr(args, "use_small_model", False))

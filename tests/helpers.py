@@ -9,11 +9,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
 from podtrain.models import MODELS
 from podtrain.planning import gpus
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
 
 from compile_flags import TEST_COMPILES
 

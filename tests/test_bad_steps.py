@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
+from podtrain.program.tasks import language as lm
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
-from podtrain.train.state import model_fns
-from podtrain.train.tasks import language as lm
 
 from helpers import trainer
 

@@ -11,10 +11,10 @@ import time
 import jax
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 

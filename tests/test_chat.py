@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.data import chat
 from podtrain.data.tokenizer import fit_bpe, load_tokenizer
 from podtrain.errors import DataError
 from podtrain.models import build_model
-from podtrain.train.tasks.language import chat_loss, token_losses
+from podtrain.program.load import load_config
+from podtrain.program.tasks.language import chat_loss, token_losses
 
 CHAT_FILE = Path(__file__).parent.parent / "configs" / "data" / "chat_tiny.jsonl"
 CONVERSATIONS = [

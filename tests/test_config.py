@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 from podtrain.cli import _parse, parser
-from podtrain.config.checks import resolve_auto
-from podtrain.config.load import default_config, load_config, mesh_from_env
 from podtrain.config.parallel import MeshConfig
-from podtrain.config.saved import save_config
 from podtrain.errors import ConfigError, MeshError
+from podtrain.program.checks import resolve_auto
+from podtrain.program.load import default_config, load_config, mesh_from_env
+from podtrain.program.saved import save_config
 from podtrain.runtime.mesh import resolve_shape
 
 from helpers import FAMILIES

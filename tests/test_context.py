@@ -9,15 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
 from podtrain.models.attention import context as context_module
 from podtrain.models.attention import grouped_attention
 from podtrain.models.attention.context import context_attention
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
+from podtrain.program.tasks.language import next_token_loss, sequence_loss
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import balanced_order, logical_sharding, sharded_jit
-from podtrain.train.job import build
-from podtrain.train.state import model_fns
-from podtrain.train.tasks.language import next_token_loss, sequence_loss
 
 from helpers import SMALL, needs_libtpu, run_steps
 

@@ -18,8 +18,8 @@ from podtrain.data.prepare import is_validation, prepare
 from podtrain.data.sources import Corpus
 from podtrain.data.tokenizer import load_tokenizer
 from podtrain.data.tokens import TokenStream, load_manifest
+from podtrain.program.tasks.language import document_ids
 from podtrain.train.metrics import read_metrics
-from podtrain.train.tasks.language import document_ids
 
 from helpers import SMALL, run_steps
 
@@ -172,8 +172,8 @@ def test_packing_puts_every_token_in_an_epoch_once(corpus):
 
 def test_segment_ids_keep_attention_inside_documents():
     from flax import nnx
-    from podtrain.config.load import load_config
     from podtrain.models import build_model
+    from podtrain.program.load import load_config
 
     eos = 0
     tokens = jnp.array([[5, 6, 7, eos, 8, 9, eos, 10]])
@@ -193,9 +193,9 @@ def test_a_packed_windows_loss_is_its_documents_losses_run_alone(reset_positions
     """Three documents packed in one window: each document's next-token losses equal those of the
     document run alone, at positions from 0 (data.reset_positions) or from its place in the window."""
     from flax import nnx
-    from podtrain.config.load import load_config
     from podtrain.models import build_model
-    from podtrain.train.tasks.language import document_positions, token_losses
+    from podtrain.program.load import load_config
+    from podtrain.program.tasks.language import document_positions, token_losses
 
     eos = 0
     docs = [[5, 6, 7, 3, eos], [8, 9, 4, 2, 11, 12, eos], [10, 13, 14, 6]]

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
 from podtrain.interop.hf.config_json import export_family, hf_config
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention, splash_attention
-from podtrain.train.adapters import weights_adapted
+from podtrain.program.adapters import weights_adapted
+from podtrain.program.load import load_config
+from podtrain.program.tasks.sampling import cached_tokens
 from podtrain.train.run import Run
-from podtrain.train.tasks.sampling import cached_tokens
 from safetensors.numpy import save_file
 
 from helpers import SMALL, run_steps

@@ -7,8 +7,8 @@ from pathlib import Path
 from podtrain.config.keys import leaves
 from podtrain.config.schema import Config
 from podtrain.models import MODELS
+from podtrain.program.tasks.registry import train_config
 from podtrain.tools.config_docs import configuration_page
-from podtrain.train.tasks.registry import train_config
 
 ROOT = Path(__file__).parent.parent
 PAGE = ROOT / "docs" / "configuration.md"

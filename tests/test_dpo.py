@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.data import pairs
 from podtrain.data.tokenizer import fit_bpe
 from podtrain.errors import CheckpointError, ConfigError, DataError
 from podtrain.models import build_model
+from podtrain.program.load import load_config
+from podtrain.program.tasks import preference
+from podtrain.program.tasks.language import reply_log_probs
 from podtrain.train.loop import train
-from podtrain.train.tasks import preference
-from podtrain.train.tasks.language import reply_log_probs
 
 WORDS = "apple river stone cloud green paper light music table water garden window bread tiger candle".split()  # noqa: SIM905
 HELD_OUT = ["forest", "silver", "pocket", "summer", "winter"]  # words no train pair names

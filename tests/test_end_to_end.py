@@ -6,14 +6,14 @@ import jax
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.data.tokenizer import ByteTokenizer
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
+from podtrain.program.tasks.sampling import sample
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
-from podtrain.train.state import model_fns
-from podtrain.train.tasks.sampling import sample
 
 
 def expected_sample(checkpoints, prompt, n, seed):

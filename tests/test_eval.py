@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
-from podtrain.config.saved import save_config
 from podtrain.data import sudoku
+from podtrain.program.load import load_config
+from podtrain.program.saved import save_config
+from podtrain.program.tasks.puzzles import evaluate_puzzles, split, stablemax_cross_entropy
 from podtrain.train.metrics import MetricsLog, read_metrics
 from podtrain.train.run import Run
-from podtrain.train.tasks.puzzles import evaluate_puzzles, split, stablemax_cross_entropy
 
 from helpers import RECURSION, SMALL, TINY
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.errors import CheckpointError, DiskFull
+from podtrain.program.load import load_config
 from podtrain.train.loop import train
 from podtrain.train.metrics import read_metrics
 

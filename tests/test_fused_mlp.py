@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.models.fused_mlp import fused_swiglu_mlp
 from podtrain.models.layers import swiglu_mlp
 from podtrain.planning import plan
 from podtrain.planning import targets as hardware
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 

@@ -12,10 +12,10 @@ import math
 import jax
 import numpy as np
 import pytest
-from podtrain.config.checks import resolve_auto
-from podtrain.config.load import load_config
+from podtrain.program.checks import resolve_auto
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
 
 from helpers import SMALL
 

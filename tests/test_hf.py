@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
+from podtrain.program.load import load_config
+from podtrain.program.tasks.sampling import cached_tokens, window_tokens
 from podtrain.train.loop import train
 from podtrain.train.run import Run
-from podtrain.train.tasks.sampling import cached_tokens, window_tokens
 from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
@@ -185,8 +185,8 @@ def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overr
     every layer sliding over 6 positions the cache is a ring of 6 slots, which a padded prefill
     and 20 steps wrap round several times."""
     cfg = load_config(None, [*small_overrides, f"model.sliding_window={sliding}"])
+    from podtrain.program.state import model_fns
     from podtrain.runtime.mesh import build_mesh
-    from podtrain.train.state import model_fns
 
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
@@ -203,9 +203,9 @@ def test_sampling_draws_only_the_tokenizers_tokens_from_a_larger_vocabulary(smal
     """A model whose vocabulary is padded past its tokenizer's (llama_1b: 32,000 logits over 256
     bytes) samples only tokens the tokenizer can decode."""
     from podtrain.data.tokenizer import ByteTokenizer
+    from podtrain.program.state import model_fns
+    from podtrain.program.tasks.sampling import sample
     from podtrain.runtime.mesh import build_mesh
-    from podtrain.train.state import model_fns
-    from podtrain.train.tasks.sampling import sample
 
     cfg = load_config(None, [*small_overrides, "model.vocab_size=4096"])
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))

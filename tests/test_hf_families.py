@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 from podtrain.cli import main
+from podtrain.program.tasks.sampling import cached_tokens
 from podtrain.train.run import Run
-from podtrain.train.tasks.sampling import cached_tokens
 from safetensors.numpy import load_file
 
 from test_hf import TOKENS, podtrain_logits, torch_logits
@@ -219,9 +219,9 @@ def test_rope_scaling_equals_transformers_frequencies(scaling):
     keys, against transformers' own inverse frequencies and attention factor for that rope type."""
     import jax.numpy as jnp
     from flax import nnx
-    from podtrain.config.load import load_config
     from podtrain.interop.hf.config_json import model_keys
     from podtrain.models import build_model
+    from podtrain.program.load import load_config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {**ROPE_SCALINGS[scaling], "rope_theta": 50_000.0}

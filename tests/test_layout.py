@@ -1,5 +1,6 @@
-"""The package's layout: an import graph without cycles (imports inside functions included), a
-config schema that loads nothing of podtrain but its errors, and models that know no mesh."""
+"""The package's layout: an import graph without cycles (imports inside functions included), parts
+that import only from the layers below them (docs/architecture.md), a config schema that loads
+nothing of podtrain but its errors, and models that know no mesh."""
 
 import ast
 import subprocess
@@ -66,6 +67,62 @@ def test_cycle_finder_finds_a_cycle():
     assert cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The parts of podtrain (a top-level module or subpackage), bottom first: a part imports only from
+# the layers below its own, never from its own layer's other parts or from above.
+LAYERS = (
+    ("errors",),
+    ("axes", "trees", "storage", "sharding"),
+    ("config",),
+    ("runtime", "models", "data"),
+    ("interop",),
+    ("program",),
+    ("planning",),
+    ("train",),
+    ("tools",),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a module from a part of its own layer or above, as 'a -> b'."""
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    wrong = []
+    for name, targets in sorted(graph.items()):
+        me = _part(name)
+        for target in sorted(targets):
+            other = _part(target)
+            if other not in (me, "podtrain") and layer[other] >= layer[me]:
+                wrong.append(f"{name} -> {target}")
+    return wrong
+
+
+def test_every_part_is_in_a_layer():
+    parts = {_part(name) for name in import_graph()} - {"podtrain"}
+    assert parts == {p for layer in LAYERS for p in layer}
+
+
+def test_parts_import_only_from_the_layers_below_them():
+    wrong = upward_imports(import_graph())
+    assert not wrong, "imports up the layers (docs/architecture.md): " + ", ".join(wrong)
+
+
+def test_an_import_up_the_layers_or_across_one_is_found():
+    graph = {
+        "podtrain.models.llama": {"podtrain.config.schema", "podtrain.program.job"},
+        "podtrain.data.text": {"podtrain.models.llama"},
+        "podtrain.train.loop": {"podtrain.planning.fit", "podtrain.train.run"},
+    }
+    assert upward_imports(graph) == [
+        "podtrain.data.text -> podtrain.models.llama",
+        "podtrain.models.llama -> podtrain.program.job",
+    ]
+
+
 def test_schema_loads_nothing_of_podtrain_but_its_parts_the_axes_and_errors():
     code = "import sys, podtrain.config.schema; print(sorted(m for m in sys.modules if m.startswith(PREFIXES)))"
     code = code.replace("PREFIXES", "('podtrain', 'jax', 'flax')")
@@ -77,6 +134,6 @@ def test_schema_loads_nothing_of_podtrain_but_its_parts_the_axes_and_errors():
 def test_models_and_tasks_know_no_mesh_but_the_sharding_module():
     graph = import_graph()
     for name in graph:
-        if name.startswith(("podtrain.models", "podtrain.train.tasks", "podtrain.sharding")):
-            wrong = {e for e in graph[name] if e.startswith(("podtrain.runtime", "podtrain.config.load"))}
+        if name.startswith(("podtrain.models", "podtrain.program.tasks", "podtrain.sharding")):
+            wrong = {e for e in graph[name] if e.startswith(("podtrain.runtime", "podtrain.program.load"))}
             assert not wrong, f"{name} imports {wrong}"

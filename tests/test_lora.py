@@ -8,17 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.checks import resolve_auto
-from podtrain.config.load import load_config
+from podtrain.models import lora
 from podtrain.planning import plan, targets
+from podtrain.program import adapters
+from podtrain.program.checks import resolve_auto
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.state import weights
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train import adapters
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import build
 from podtrain.train.loop import train
 from podtrain.train.run import Run, starting_weights
-from podtrain.train.state import weights
 
 from helpers import needs_cuda_compiler
 from test_hf import TOKENS, hf_llama, podtrain_logits, torch_logits
@@ -90,7 +91,7 @@ def test_adapters_train_alone_and_match_peft_merged_or_not(base, capsys):
 
     # The base is the imported weights, bit for bit; the adapters moved away from B = 0.
     _, _, params = Run.at(base / "lora").language_model()
-    trained, frozen = adapters.split(params)
+    trained, frozen = lora.split(params)
     _, _, imported = Run.at(base / "run").language_model()
     for got, want in zip(jax.tree.leaves(frozen), jax.tree.leaves(imported), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))
@@ -156,7 +157,7 @@ def test_merging_adds_the_scaled_product_to_each_layer():
     want = w + 0.5 * np.einsum("lir,lrhk->lihk", a, b)
     np.testing.assert_allclose(out["layers"]["attn"]["wq"], want, atol=1e-5)
     assert np.array_equal(out["layers"]["attn"]["wk"], w)
-    assert adapters.union(*adapters.split(params)[::-1]) == params
+    assert lora.union(*lora.split(params)[::-1]) == params
 
 
 def test_dropout_draws_new_masks_each_step_and_none_in_evaluation(base):

@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.models import layers, mhc
 from podtrain.models.mhc import StreamMixer, permutation_mixture, sinkhorn
 from podtrain.planning import cost
 from podtrain.planning import targets as hardware
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
-from podtrain.train.state import model_fns
 
 from helpers import SMALL, needs_libtpu, run_steps
 

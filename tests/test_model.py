@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.models import MODELS, build_model
 from podtrain.models.attention import Attention
 from podtrain.models.interface import LanguageModel, LanguageModelConfig
 from podtrain.models.rope import apply_rope, rope_tables
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 

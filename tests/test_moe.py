@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
 from podtrain.models import build_model
 from podtrain.models.exchange import queue_places
@@ -24,11 +23,12 @@ from podtrain.models.experts import (
     router_statistics,
 )
 from podtrain.models.ops import grouped_matmul
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
+from podtrain.program.tasks.language import next_token_loss
 from podtrain.runtime.mesh import build_mesh, resolve_shape
 from podtrain.sharding import logical_sharding, sharded_jit
 from podtrain.train.metrics import read_metrics
-from podtrain.train.state import model_fns
-from podtrain.train.tasks.language import next_token_loss
 
 from helpers import SMALL, needs_cuda_compiler, needs_libtpu, run_steps, trainer
 

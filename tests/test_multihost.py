@@ -13,18 +13,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.data.prepare import prepare
 from podtrain.data.sources import Corpus, pydoc_documents
 from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
 from podtrain.errors import DistributedError
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.tasks.sampling import sample
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
-from podtrain.train.tasks.sampling import sample
 
 from helpers import CLEAN_ENV, SMALL, podtrain, run_steps
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.data.loader import BatchReader
+from podtrain.program.load import load_config
 from podtrain.train import profile
 from podtrain.train.loop import train
 from podtrain.train.metrics import MetricsLog, read_metrics

@@ -5,14 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.data import sudoku
 from podtrain.errors import ConfigError
+from podtrain.program import optim
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.state import decay_mask, init_state, train_setup
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train import optim
-from podtrain.train.job import build
-from podtrain.train.state import decay_mask, init_state, train_setup
 
 from helpers import LANGUAGE_FAMILIES
 

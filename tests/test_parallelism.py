@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.planning import targets
 from podtrain.planning.hlo import collectives, summary
+from podtrain.program.job import compile_step
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
-from podtrain.train.job import compile_step
-from podtrain.train.state import model_fns
 
 from helpers import LANGUAGE_FAMILIES, needs_libtpu
 

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.config.parallel import MeshConfig
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention
 from podtrain.models.layers import output_head, swiglu
+from podtrain.program.load import load_config
+from podtrain.program.tasks import language as lm
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
-from podtrain.train.tasks import language as lm
 
 from compile_flags import TEST_COMPILES
 from helpers import LANGUAGE_FAMILIES

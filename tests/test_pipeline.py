@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.errors import ConfigError
 from podtrain.models import build_model
 from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.job import accumulation, build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.job import accumulation, build
 from podtrain.train.loop import train
 
 from helpers import SMALL, run_steps, trainer

@@ -12,16 +12,16 @@ from pathlib import Path
 import jax
 import pytest
 from podtrain.axes import AXES
-from podtrain.config.load import load_config
 from podtrain.errors import DoesNotFit
 from podtrain.models.attention import causal_blocks
 from podtrain.planning import fit, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.state import model_fns
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh, factorizations
-from podtrain.train.job import build
 from podtrain.train.loop import train
-from podtrain.train.state import model_fns
 
 from helpers import NOISE, needs_cuda_compiler, needs_libtpu
 

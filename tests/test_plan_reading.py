@@ -4,11 +4,11 @@ the most FLOPs, each traced back to its model code), and GPU plans compiled with
 import re
 
 import pytest
-from podtrain.config.load import load_config
 from podtrain.planning import cost, fit, hlo, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
 
 from helpers import SMALL
 

@@ -7,10 +7,10 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
 from podtrain.models import ops
 from podtrain.planning import plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.load import load_config
 from podtrain.train.metrics import read_metrics
 
 from helpers import SMALL, needs_cuda_compiler, needs_libtpu, podtrain, run_steps

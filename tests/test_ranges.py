@@ -5,7 +5,7 @@ docs/configuration.md shows the same ranges.)"""
 import pytest
 from podtrain.cli import main
 from podtrain.config.keys import Range, leaves, ranges
-from podtrain.config.load import default_config, load_config
+from podtrain.program.load import default_config, load_config
 from podtrain.train.hooks import divergence_hint
 
 from helpers import FAMILIES

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.config.load import load_config
 from podtrain.data import sudoku
+from podtrain.program.job import build
+from podtrain.program.load import load_config
+from podtrain.program.tasks.puzzles import CELLS, act_loss, split, stablemax_cross_entropy
 from podtrain.runtime.mesh import build_mesh
-from podtrain.train.job import build
 from podtrain.train.metrics import read_metrics
-from podtrain.train.tasks.puzzles import CELLS, act_loss, split, stablemax_cross_entropy
 
 from helpers import RECURSION, TINY, run_steps, trainer
 

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from podtrain.config.load import load_config
 from podtrain.models.layers import SwiGLU, rms_norm, rms_norm_keeping_input
 from podtrain.models.recursive import HRM, TRM
 from podtrain.models.rope import rope_tables
+from podtrain.program.load import load_config
 
 PAPER = ["model.d_model=512", "model.n_heads=8", "model.d_ff=1536", "model.compute_dtype=float32"]
 SMALL = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.compute_dtype=float32"]

@@ -11,8 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.axes import AXES, DCN_AXES, MESH_AXIS_ALIASES, PLAIN_AXES
-from podtrain.config import checks
-from podtrain.config.load import default_config, load_config, mesh_from_env
 from podtrain.config.parallel import MeshConfig
 from podtrain.config.schema import ModelConfig
 from podtrain.errors import ConfigError
@@ -26,9 +24,11 @@ from podtrain.models.attention.xla import visible
 from podtrain.models.llama_config import LlamaConfig
 from podtrain.planning import fit, gpus, targets
 from podtrain.planning.report import sweep_table
+from podtrain.program import checks
+from podtrain.program.load import default_config, load_config, mesh_from_env
+from podtrain.program.tasks.registry import TASKS, task_of
 from podtrain.runtime.chips import CHIPS
 from podtrain.tools import config_docs
-from podtrain.train.tasks.registry import TASKS, task_of
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ source = path.read_text().replace("\\nAXES = tuple", "\\n" + row + "AXES = tuple
 sys.modules["podtrain.axes"] = module = types.ModuleType("podtrain.axes")
 module.__file__ = str(path)
 exec(compile(source, str(path), "exec"), module.__dict__)
-from podtrain.config.load import load_config
+from podtrain.program.load import load_config
 from podtrain.planning.report import sweep_table
 from podtrain.tools.config_docs import configuration_page
 cfg, page = load_config(None, ["mesh.pod=2", "mesh.dcn_pod=3"]), configuration_page()

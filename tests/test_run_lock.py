@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from podtrain.config.load import load_config
 from podtrain.errors import RunInUse
+from podtrain.program.load import load_config
 from podtrain.train import lease
 from podtrain.train.loop import train
 from podtrain.train.run import Run
@@ -19,7 +19,7 @@ from podtrain.train.run import Run
 from helpers import SMALL
 
 HOLD = (
-    "import sys, time; from podtrain.train.run import Run; from podtrain.config.load import load_config\n"
+    "import sys, time; from podtrain.train.run import Run; from podtrain.program.load import load_config\n"
     "with Run.of(load_config(None, [f'run_dir={sys.argv[1]}'])).lock():\n    print('held', flush=True); time.sleep(600)"
 )
 

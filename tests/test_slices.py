@@ -5,12 +5,12 @@ network; the job trains as on one device; a plan for N slices counts what crosse
 import jax
 import numpy as np
 import pytest
-from podtrain.config.load import load_config
 from podtrain.errors import MeshError
 from podtrain.planning import hlo, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh, describe
-from podtrain.train.job import build
 
 from helpers import SMALL, needs_libtpu, run_steps
 

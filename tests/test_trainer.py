@@ -3,10 +3,10 @@ they replicate instead of splitting."""
 
 import jax
 import pytest
-from podtrain.config.load import load_config
+from podtrain.program.job import build
+from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import replicated
-from podtrain.train.job import build
 from podtrain.train.trainer import Trainer
 
 

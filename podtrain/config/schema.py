@@ -3,7 +3,7 @@
 Plain dataclasses of `keys.key` fields (the parallelism sections in `parallel`), importing nothing
 of podtrain but those, the axes table and errors: no jax. A key with a fixed set of values is a
 `Literal`, a numeric key carries its `Range`; OmegaConf checks both when a config loads
-(`podtrain.config.load`), and docs/configuration.md is generated from the same fields. Each model
+(`podtrain.program.load`), and docs/configuration.md is generated from the same fields. Each model
 family's config subclasses `ModelConfig` beside its model; each task's train keys subclass
 `TrainConfig` beside the task.
 """

@@ -5,7 +5,7 @@ template (data/chat.py), and only its tokens are trained: the reply and its end-
 
 A pair is one row (2, 3, seq_len + 1) int32: for CHOSEN then REJECTED, the channels TOKENS,
 TRAINED (1 on the reply's tokens) and REFERENCE, whose first element holds the starting model's
-summed log-probability of the reply as float32 bits (written in by train/tasks/preference.py before
+summed log-probability of the reply as float32 bits (written in by program/tasks/preference.py before
 the first step; NaN until then, so a row read without it gives a loss that is not finite). A row
 whose TRAINED channel is all 0 pads an evaluation batch and counts in no mean.
 """

@@ -17,7 +17,7 @@ class Family:
     module: type  # the Flax NNX module built from that config
     # (config, n_params, positions) -> training FLOPs; a language family's takes per_weight=4 for a frozen base
     flops_per_token: Callable[..., float]
-    task: str  # what it trains on: a task's name in podtrain.train.tasks.registry, whose class names its train keys
+    task: str  # what it trains on: a task's name in podtrain.program.tasks.registry, whose class names its train keys
     debug: dict[str, int]  # the tiny debug flavor: model keys that make any recipe small (--use-small-model)
     # (model config, params, the step's metrics) -> (params, metrics): what the family updates after
     # each optimizer step other than by gradients (an MoE's router bias), taking the metrics it reads

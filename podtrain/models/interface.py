@@ -1,5 +1,5 @@
 """What a language-model family provides: the keys every language model has, and the methods the
-language task (`podtrain.train.tasks.language`) and sampling (`podtrain.train.tasks.sampling`)
+language task (`podtrain.program.tasks.language`) and sampling (`podtrain.program.tasks.sampling`)
 call on its module. A family whose `Family.task` is "language" subclasses the config and
 implements the protocol; tests/test_model.py checks every registered one.
 

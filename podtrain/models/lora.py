@@ -22,6 +22,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 PREFIX = "lora_"  # an adapter's attribute, and so its parameters' path: lora_<weight>/{a,b}
+# The weights a user may adapt, by the projection names PEFT and train.lora.targets give them.
+PROJECTIONS = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w_gate": "gate_proj",
+    "w_up": "up_proj",
+    "w_down": "down_proj",
+}
 _KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("podtrain_lora_dropout", default=None)
 
 
@@ -94,3 +104,28 @@ def attach(
         adapter = Adapter(getattr(module, name), n_in, rank, alpha / rank, rngs, dropout, number)
         setattr(module, PREFIX + name, adapter)
     return model
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+    """(the adapters, the rest) of a params tree, each a tree of the same nesting."""
+    adapters, rest = {}, {}
+    for key, value in tree.items():
+        if str(key).startswith(PREFIX):
+            adapters[key] = value
+        elif isinstance(value, dict):
+            inner_adapters, inner_rest = split(value)
+            if inner_adapters:
+                adapters[key] = inner_adapters
+            if inner_rest:
+                rest[key] = inner_rest
+        else:
+            rest[key] = value
+    return adapters, rest
+
+
+def union(base: dict, adapters: dict) -> dict:
+    """The params tree of both halves (the inverse of `split`)."""
+    whole = dict(base)
+    for key, value in adapters.items():
+        whole[key] = union(whole[key], value) if isinstance(value, dict) and key in whole else value
+    return whole

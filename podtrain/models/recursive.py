@@ -24,7 +24,7 @@ than truncated normal; the initial states z_H, z_L are drawn from a fixed key at
 (truncated normal, std 1) instead of being stored as buffers, which is the same constant
 without a checkpoint entry; the puzzle embedding is an ordinary parameter, trained by the main
 optimizer, or by the references' sign-SGD on the rows a step reaches with train.puzzle_emb_lr > 0
-(podtrain.train.optim); parameter counts leave it out as the references' counts do.
+(podtrain.program.optim); parameter counts leave it out as the references' counts do.
 """
 
 from __future__ import annotations

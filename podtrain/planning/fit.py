@@ -18,14 +18,14 @@ from typing import Any
 
 import jax
 
-from podtrain.config.checks import validate
 from podtrain.config.schema import Config
 from podtrain.errors import DoesNotFit
 from podtrain.models import family
+from podtrain.program.checks import validate
+from podtrain.program.job import Job, build
 from podtrain.runtime.chips import GiB, device_memory
 from podtrain.runtime.mesh import build_mesh, slices, split_shape
 from podtrain.sharding import RULES
-from podtrain.train.job import Job, build
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", re.S)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

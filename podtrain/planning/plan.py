@@ -26,14 +26,14 @@ import time
 from dataclasses import dataclass, field
 
 from podtrain.axes import AXES, DCN_AXES, PLAIN_AXES
-from podtrain.config.checks import resolve_auto
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
 from podtrain.planning import cost, fit, hlo, network, precision
 from podtrain.planning.targets import Target
+from podtrain.program.checks import resolve_auto
+from podtrain.program.job import build
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape, slices
 from podtrain.sharding import microbatches_over
-from podtrain.train.job import build
 
 TOP_KEPT = 50  # operations a plan keeps of each ranking, for `plan --top N`
 

@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 from podtrain.axes import MESH_AXIS_ALIASES
 from podtrain.config.keys import default_of
-from podtrain.config.load import MOVED
 from podtrain.config.schema import Config, ModelConfig, TrainConfig
 from podtrain.interop.hf.families import model_types
 from podtrain.models import MODELS
 from podtrain.models.attention.cores import CORES
-from podtrain.train.tasks.registry import task_of, train_config
+from podtrain.program.load import MOVED
+from podtrain.program.tasks.registry import task_of, train_config
 
 INTRO = """\
 # Configuration

@@ -8,7 +8,6 @@ import time
 import jax.numpy as jnp
 
 from podtrain import storage
-from podtrain.config.load import default_config, load_config
 from podtrain.config.schema import Config
 from podtrain.data.chat import stop_ids, template_of
 from podtrain.data.tokenizer import GENERATION, keep_tokenizer, load_tokenizer
@@ -17,10 +16,11 @@ from podtrain.interop.hf import peft
 from podtrain.interop.hf.checkpoint import hf_folder, read_hf_config, read_params, write_params
 from podtrain.interop.hf.config_json import export_family, hf_config, model_keys
 from podtrain.interop.hf.families import FAMILIES, tensor_layout
-from podtrain.train import adapters
+from podtrain.program import adapters
+from podtrain.program.load import default_config, load_config
+from podtrain.program.state import model_fns
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.run import Run, on_this_machine
-from podtrain.train.state import model_fns
 
 IMPORTED = "imported.json"  # RUN_DIR/imported.json: where `convert --from-hf` read the weights, and their dtype
 # An imported model is there to be fine-tuned: a rate and decay that keep what it knows, the user's

@@ -35,12 +35,12 @@ from podtrain.config.parallel import MeshConfig
 from podtrain.config.schema import Config
 from podtrain.errors import ChecksFailed, PodtrainError, first_line
 from podtrain.planning.fit import global_bytes, size
+from podtrain.program.job import Job, build
 from podtrain.runtime import devices as devices_lib
 from podtrain.runtime import mesh as mesh_lib
 from podtrain.runtime.chips import device_memory
 from podtrain.train.checkpoint import Checkpointer, location
 from podtrain.train.digest import checksums
-from podtrain.train.job import Job, build
 from podtrain.train.run import on_this_machine
 
 STEPS = 3  # train steps on the repeated batch

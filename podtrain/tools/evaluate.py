@@ -37,10 +37,10 @@ from podtrain import storage
 from podtrain.data import sudoku  # noqa: E402
 from podtrain.errors import ConfigError  # noqa: E402
 from podtrain.models import MODELS, family  # noqa: E402
+from podtrain.program.state import model_fns  # noqa: E402
+from podtrain.program.tasks.puzzles import score_puzzles  # noqa: E402
 from podtrain.sharding import batch_sharding, data_parallel_size, sharded_jit, shardings_of  # noqa: E402
 from podtrain.train.run import Run  # noqa: E402
-from podtrain.train.state import model_fns  # noqa: E402
-from podtrain.train.tasks.puzzles import score_puzzles  # noqa: E402
 
 SCORES = ("cell_accuracy", "exact_accuracy", "act_steps", "loss")  # of score_puzzles, logged as test_*
 PLOT, POOLED = "eval_recursion.png", "eval_recursion_pooled.png"

@@ -43,8 +43,8 @@ def chat_prompt(renderer, message: str, system: str | None = None) -> str:
 
 def command(args) -> None:
     from podtrain.data.chat import Renderer
+    from podtrain.program.tasks.sampling import sample
     from podtrain.train.run import Run
-    from podtrain.train.tasks.sampling import sample
 
     if args.chat is not None and args.prompt:
         raise ConfigError("Give --prompt TEXT (text to continue) or --chat MESSAGE (a message to reply to), not both.")

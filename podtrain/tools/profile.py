@@ -13,7 +13,7 @@ import jax
 
 from podtrain import storage
 from podtrain.config.schema import Config
-from podtrain.train.job import build
+from podtrain.program.job import build
 from podtrain.train.profile import newest_trace, ops_by_time
 from podtrain.train.run import on_this_machine
 

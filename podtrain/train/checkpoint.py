@@ -32,11 +32,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from podtrain import storage
 from podtrain.errors import CheckpointError, SaveFailed, first_line
 from podtrain.train import disk
-from podtrain.train.digest import checksums, fingerprint, leaf_name
+from podtrain.train.digest import checksums, fingerprint
 from podtrain.train.orbax_quiet import quiet_orbax
+from podtrain.trees import ITEMS, leaf_name
 
 DIGEST = "digest"
-ITEMS = ("params", "opt", "ema", "carry")  # every item a state may have
 
 
 class CheckpointMismatch(CheckpointError):

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from podtrain.trees import leaf_name
+
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -48,11 +50,6 @@ def _checksum(x: jax.Array) -> jax.Array:
 def _checksummer(mesh: Mesh):
     """One jitted function per mesh, compiled once per array layout; its sums replicated so every process reads them."""
     return jax.jit(_checksum, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def leaf_name(path) -> str:
-    """A leaf's path as "opt/0/mu/embed": the same for a state's tuples and the dicts it is saved as."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def checksums(tree) -> dict[str, list[int]]:

@@ -12,18 +12,18 @@ import time
 import jax
 
 from podtrain import storage
-from podtrain.config.load import default_config
 from podtrain.config.schema import Config
 from podtrain.errors import Preempted, TrainingDiverged
+from podtrain.program.job import Job
+from podtrain.program.load import default_config
+from podtrain.program.state import weights
 from podtrain.runtime import peers
 from podtrain.train import replica
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.goodput import Goodput
-from podtrain.train.job import Job
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
 from podtrain.train.profile import Trace
-from podtrain.train.state import weights
 from podtrain.train.trainer import StepEnd, Trainer
 
 

@@ -12,20 +12,21 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from podtrain import storage
-from podtrain.config.saved import differences
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError
 from podtrain.planning import fit
+from podtrain.program import optim
+from podtrain.program.job import Job, build
+from podtrain.program.saved import differences
+from podtrain.program.state import weights
 from podtrain.runtime import distributed
-from podtrain.train import optim, replica
+from podtrain.train import replica
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.goodput import Goodput, summary
 from podtrain.train.hooks import TrainHooks, fmt_metrics
-from podtrain.train.job import Job, build
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
 from podtrain.train.run import Run, on_this_machine, starting_weights
-from podtrain.train.state import weights
 from podtrain.train.trainer import Trainer
 
 

@@ -21,8 +21,7 @@ import jax
 import numpy as np
 
 from podtrain import storage
-from podtrain.train.checkpoint import ITEMS
-from podtrain.train.digest import leaf_name
+from podtrain.trees import ITEMS, leaf_name
 
 FOLDER = "replica"
 

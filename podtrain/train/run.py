@@ -16,20 +16,20 @@ import jax
 import jax.numpy as jnp
 
 from podtrain import runtime, storage
-from podtrain.config.checks import resolve_auto
 from podtrain.config.parallel import MeshConfig
-from podtrain.config.saved import differences, run_config, save_config
 from podtrain.config.schema import Config
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, DataError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
-from podtrain.models import MODELS, family
+from podtrain.models import MODELS, family, lora
 from podtrain.planning import fit, precision
+from podtrain.program.checks import resolve_auto
+from podtrain.program.saved import differences, run_config, save_config
+from podtrain.program.state import ModelFns, model_fns
 from podtrain.runtime.chips import chip_of, device_memory
-from podtrain.train import adapters, lease
+from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
-from podtrain.train.state import ModelFns, model_fns
 
 
 def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
@@ -109,14 +109,14 @@ class Run:
         cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
         rt, cfg = on_this_machine(cfg, announce=False)
         fns = model_fns(cfg, rt.mesh)
-        trained, base = adapters.split(fns.abstract_params) if cfg.train.lora.rank else (fns.abstract_params, None)
+        trained, base = lora.split(fns.abstract_params) if cfg.train.lora.rank else (fns.abstract_params, None)
         checkpointer = Checkpointer(self.checkpoint_dir)
         try:
             step, params = checkpointer.restore_weights(trained, step)
         finally:
             checkpointer.close()
         if base is not None:
-            params = adapters.union(starting_weights(cfg.train.init_from, base, cfg), params)
+            params = lora.union(starting_weights(cfg.train.init_from, base, cfg), params)
         return cfg, fns, step, params
 
     def language_model(self) -> tuple[Config, ModelFns, object]:

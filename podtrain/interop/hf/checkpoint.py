@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain import storage
 from podtrain.errors import CheckpointError, ConfigError
-from podtrain.train.digest import leaf_name
+from podtrain.trees import leaf_name
 
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size: larger exports are sharded with an index

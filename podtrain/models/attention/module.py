@@ -130,7 +130,7 @@ class Attention(nnx.Module):
         return self.by_window(kernel, window, q, k, v)
 
     def cudnn(self, q, k, v, window) -> jax.Array:
-        """cuDNN's fused attention: no segments or soft-caps (config/checks.py refuses them); a
+        """cuDNN's fused attention: no segments or soft-caps (program/checks.py refuses them); a
         window w is its local_window_size (w - 1 keys before the query)."""
 
         def kernel(w):

@@ -11,18 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
-from podtrain.interop.hf.families import LLAMA_TENSORS
 from podtrain.models import lora
-
-# podtrain's weight -> the Hugging Face projection it is (wq -> q_proj), from the tensor table.
-PROJECTIONS = {
-    path.rsplit("/", 1)[1]: name.split(".")[-2]
-    for path, (name, *_) in LLAMA_TENSORS.items()
-    if name.endswith("_proj.weight")
-}
 
 
 def weights_adapted(cfg: Config) -> set[str]:
@@ -38,11 +29,11 @@ def weights_adapted(cfg: Config) -> set[str]:
             "microbatches of a step would share their dropout masks; set train.lora.dropout=0 or mesh.stage=1."
         )
     targets = cfg.train.lora.targets
-    unknown = sorted(set(targets) - set(PROJECTIONS.values()))
+    unknown = sorted(set(targets) - set(lora.PROJECTIONS.values()))
     if unknown or not targets:
         raise ConfigError(
             f"train.lora.targets={list(targets)}: {', '.join(unknown) or 'none given'} is not a projection LoRA "
-            f"adapts; name some of {', '.join(PROJECTIONS.values())}."
+            f"adapts; name some of {', '.join(lora.PROJECTIONS.values())}."
         )
     attention = sorted(t for t in targets if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
     if attention and getattr(cfg.model, "attention_kind", "gqa") == "mla":
@@ -50,37 +41,12 @@ def weights_adapted(cfg: Config) -> set[str]:
             f"train.lora.targets has {', '.join(attention)}, and model.attention_kind=mla's latent attention takes "
             "no adapters; adapt the dense MLPs (gate_proj, up_proj, down_proj) alone, or train the whole model."
         )
-    return {weight for weight, projection in PROJECTIONS.items() if projection in targets}
-
-
-def split(tree: dict) -> tuple[dict, dict]:
-    """(the adapters, the rest) of a params tree, each a tree of the same nesting."""
-    adapters, rest = {}, {}
-    for key, value in tree.items():
-        if str(key).startswith(lora.PREFIX):
-            adapters[key] = value
-        elif isinstance(value, dict):
-            inner_adapters, inner_rest = split(value)
-            if inner_adapters:
-                adapters[key] = inner_adapters
-            if inner_rest:
-                rest[key] = inner_rest
-        else:
-            rest[key] = value
-    return adapters, rest
-
-
-def union(base: dict, adapters: dict) -> dict:
-    """The params tree of both halves (the inverse of `split`)."""
-    whole = dict(base)
-    for key, value in adapters.items():
-        whole[key] = union(whole[key], value) if isinstance(value, dict) and key in whole else value
-    return whole
+    return {weight for weight, projection in lora.PROJECTIONS.items() if projection in targets}
 
 
 def merged(params: dict, scale: float) -> dict:
     """The weights alone, each adapted one W + scale A B, as host arrays in W's dtype."""
-    adapters, base = split(params)
+    adapters, base = lora.split(params)
 
     def merge(base: dict, adapters: dict) -> dict:
         out = dict(base)
@@ -98,26 +64,6 @@ def merged(params: dict, scale: float) -> dict:
         return out
 
     return merge(base, adapters)
-
-
-def peft_table(tensors: dict, adapters: dict) -> dict:
-    """PEFT's names for `adapters` from a family's tensor table: A as lora_A (rank, in), B as lora_B
-    (out, rank) of the projection, under base_model.model. Fused projections (Phi-3's qkv_proj) have
-    one adapter in PEFT and separate ones here: refused."""
-    table = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]:
-        keys = [str(k.key) for k in path]
-        weight = "/".join([*keys[:-2], keys[-2].removeprefix(lora.PREFIX)])
-        name, in_axes, *part = tensors[weight]
-        if part:
-            raise ConfigError(
-                f"{name} fuses several projections in one tensor, which PEFT adapts as one; export the model "
-                "with the adapters merged (convert --to-hf without --adapter)."
-            )
-        matrix = "lora_A" if keys[-1] == "a" else "lora_B"
-        peft_name = f"base_model.model.{name.removesuffix('.weight')}.{matrix}.weight"
-        table["/".join(keys)] = (peft_name, in_axes if matrix == "lora_A" else 1)
-    return table
 
 
 def compute_dtype(abstract, dtype) -> dict:

@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from podtrain.config.schema import Config
 from podtrain.models import build_model, lora
+from podtrain.program import adapters, optim
 from podtrain.sharding import logical_sharding, shardings_of
-from podtrain.train import adapters, optim
 
 
 @dataclass
@@ -113,9 +112,9 @@ def train_setup(cfg: Config, mesh: Mesh) -> TrainSetup:
     fns = model_fns(cfg, mesh)
     trained, axes, init_trained, state = fns.abstract_params, fns.logical_axes, fns.init, {}
     if cfg.train.lora.rank:  # the optimizer sees the adapters alone; the base is an input of the step
-        (trained, base), axes = adapters.split(fns.abstract_params), adapters.split(fns.logical_axes)[0]
+        (trained, base), axes = lora.split(fns.abstract_params), lora.split(fns.logical_axes)[0]
         state["base"] = adapters.compute_dtype(base, cfg.model.compute_dtype)
-        init_trained = fns.initializer(lambda params: adapters.split(params)[0], shardings_of(trained))
+        init_trained = fns.initializer(lambda params: lora.split(params)[0], shardings_of(trained))
     tx = optim.optimizer(cfg.train, decay_mask(axes))
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shapes = jax.eval_shape(tx.init, trained)
@@ -155,7 +154,7 @@ def init_state(setup: TrainSetup, seed: int, weights=None) -> dict:
             frozen = setup.abstract_state["base"]
 
             def base(params):
-                return jax.tree.map(lambda x, s: x.astype(s.dtype), adapters.split(params)[1], frozen)
+                return jax.tree.map(lambda x, s: x.astype(s.dtype), lora.split(params)[1], frozen)
 
             weights = setup.fns.initializer(base, shardings_of(frozen))(jax.random.key(seed))
         state["base"], params = weights, setup.init_trained(jax.random.key(seed))
@@ -172,4 +171,4 @@ def init_state(setup: TrainSetup, seed: int, weights=None) -> dict:
 def weights(state: dict):
     """The weights to evaluate and sample with: the EMA where the run keeps one (with LoRA's base)."""
     trained = state.get("ema", state["params"])
-    return trained if "base" not in state else adapters.union(state["base"], trained)
+    return trained if "base" not in state else lora.union(state["base"], trained)

@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
-
 from podtrain.models import lora
+from podtrain.program import optim
+from podtrain.program.state import TrainSetup
 from podtrain.sharding import DEFAULT, Parallelism, batch_sharding, sharded_jit, shardings_of
-from podtrain.train import adapters, optim
-from podtrain.train.state import TrainSetup
 
 
 def make_train_step(
@@ -27,7 +26,7 @@ def make_train_step(
     """step(state, batch) -> (state, metrics); batch is (grad_accum, microbatch, ...).
 
     loss_fn(model, carry, microbatch, key) -> (loss, (carry, metrics)) is a task's loss
-    (train/tasks) of the model built from the params (with LoRA's base); `carry` is this
+    (program/tasks) of the model built from the params (with LoRA's base); `carry` is this
     microbatch's slice of state["carry"] (HRM/TRM's ACT state; None without one), `key` fresh
     randomness for every microbatch of every step. A step whose loss or gradient norm is not finite
     leaves the state unchanged but for the step (metric `skipped`). Microbatch gradients are summed
@@ -40,7 +39,7 @@ def make_train_step(
     param_shardings = shardings_of(setup.abstract_state["params"])  # of the accumulated gradients too
 
     def params_loss(params, base, carry, micro, key):
-        model = fns.module(params if base is None else adapters.union(base, params))
+        model = fns.module(params if base is None else lora.union(base, params))
         with lora.dropout_key(jax.random.fold_in(key, 1) if cfg_train.lora.dropout else None):
             return loss_fn(model, carry, micro, key)
 

@@ -11,16 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-
 from podtrain.config.keys import key
 from podtrain.config.schema import Config, TrainConfig
 from podtrain.data import chat, pairs
 from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
 from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
 from podtrain.errors import ConfigError, DataError
+from podtrain.program.tasks import Task, preference
+from podtrain.program.tasks.sampling import sample
 from podtrain.sharding import batch_sharding, context_order, positions_of, reordered
-from podtrain.train.tasks import Task, preference
-from podtrain.train.tasks.sampling import sample
 
 
 @dataclass

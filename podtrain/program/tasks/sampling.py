@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from podtrain.data.chat import stop_ids
 from podtrain.sharding import sharded_jit
 

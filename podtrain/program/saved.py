@@ -6,11 +6,10 @@ from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
-
 from podtrain import storage
-from podtrain.config.load import flatten, load_config
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
+from podtrain.program.load import flatten, load_config
 
 
 def to_yaml(cfg: Config) -> str:

@@ -22,17 +22,16 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
 from podtrain import storage
 from podtrain.axes import AXES, MESH_AXIS_ALIASES
-from podtrain.config.checks import validate
 from podtrain.config.keys import all_keys, leaves
 from podtrain.config.schema import Config
 from podtrain.data.text import data_tokenizer
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
-from podtrain.train.tasks.registry import train_config
+from podtrain.program.checks import validate
+from podtrain.program.tasks.registry import train_config
 
 
 class _Yaml(yaml.SafeLoader):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from podtrain.config.schema import TrainConfig
 from podtrain.models.family import Family
-from podtrain.train.tasks import Task
-from podtrain.train.tasks.language import LanguageTask
-from podtrain.train.tasks.puzzles import PuzzleTask
+from podtrain.program.tasks import Task
+from podtrain.program.tasks.language import LanguageTask
+from podtrain.program.tasks.puzzles import PuzzleTask
 
 TASKS: dict[str, type[Task]] = {"language": LanguageTask, "puzzles": PuzzleTask}
 

@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
-
 from podtrain.config.schema import Config
 from podtrain.data import sudoku
 from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import ConfigError, DataError
+from podtrain.program.tasks import Task
 from podtrain.sharding import batch_sharding, shardings_of
-from podtrain.train.tasks import Task
 
 CELLS = 81
 ROW = 1 + 2 * CELLS  # a puzzle's row: its id, input cells, label cells (sudoku.SudokuSet.rows)

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-
 from podtrain.config.schema import TrainConfig
 from podtrain.errors import ConfigError
 

@@ -14,10 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-
 from podtrain.config.schema import Config
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS, family
+from podtrain.program.state import TrainSetup, init_state, train_setup
+from podtrain.program.step import make_train_step, mean_over_batches
+from podtrain.program.tasks import Task
+from podtrain.program.tasks.registry import task_of
 from podtrain.sharding import (
     Parallelism,
     batch_sharding,
@@ -27,12 +30,7 @@ from podtrain.sharding import (
     sharded_jit,
     shardings_of,
 )
-from podtrain.train.checkpoint import ITEMS
-from podtrain.train.digest import leaf_name
-from podtrain.train.state import TrainSetup, init_state, train_setup
-from podtrain.train.step import make_train_step, mean_over_batches
-from podtrain.train.tasks import Task
-from podtrain.train.tasks.registry import task_of
+from podtrain.trees import ITEMS, leaf_name
 
 
 def accumulation(cfg: Config, dp: int, pipelined: int = 1) -> int:

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-
 from podtrain import storage
 from podtrain.config.schema import Config
 from podtrain.data import pairs
