@@ -24,8 +24,9 @@ import time  # noqa: E402
 import jax  # noqa: E402
 from podtrain.planning.hlo import KINDS, collectives, summary  # noqa: E402
 from podtrain.program.checks import resolve_auto  # noqa: E402
-from podtrain.program.job import build, compile_step  # noqa: E402
+from podtrain.program.job import build  # noqa: E402
 from podtrain.program.load import load_config  # noqa: E402
+from podtrain.program.prepare import prepare  # noqa: E402
 from podtrain.runtime.mesh import build_mesh  # noqa: E402
 from podtrain.sharding import AXES  # noqa: E402
 
@@ -69,7 +70,7 @@ def main() -> None:
         overrides = ["device_type=cpu", *args.overrides, *(f"mesh.{a}={s}" for a, s in zip(AXES, shape))]
         cfg = resolve_auto(load_config(args.config, overrides), "cpu")
         mesh = build_mesh(cfg.mesh, jax.devices()[: math.prod(shape)])
-        compiled = compile_step(cfg, mesh)
+        compiled = prepare(cfg, "cpu", mesh, float("inf"), data=False).compiled
         totals, memory = summary(collectives(compiled.as_text())), compiled.memory_analysis()
         timing = ""
         if not args.no_time:

@@ -17,9 +17,11 @@ import statistics
 import time
 
 import jax
-from podtrain.planning import cost, fit
+from podtrain.planning import cost
 from podtrain.program.job import build
 from podtrain.program.load import load_config
+from podtrain.program.memory import measure
+from podtrain.program.prepare import final
 from podtrain.runtime.mesh import build_mesh
 
 from checkpoint_stall import MODEL, TRAIN
@@ -47,7 +49,8 @@ def main() -> None:
     jobs = {}
     for name, extra in (("full", []), ("lora", [f"train.lora.rank={args.rank}", "train.init_from=random"])):
         cfg = load_config(None, MODEL + TRAIN + BATCH + extra)
-        jobs[name] = build(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
+        mesh = build_mesh(cfg.mesh, jax.devices()[:1])
+        jobs[name] = build(final(cfg, "cpu", mesh), mesh)
     times = {name: [] for name in jobs}
     for _ in range(args.repeats):
         for name, job in jobs.items():
@@ -55,7 +58,7 @@ def main() -> None:
     rows = {}
     for name, job in jobs.items():
         trained = sum(s.size for s in jax.tree.leaves(job.abstract_state["params"]))
-        memory, compiled = fit.measure(job, float("inf"))
+        memory, compiled = measure(job, float("inf"))
         rows[name] = (
             trained,
             memory.params + memory.optimizer + memory.gradients,

@@ -41,11 +41,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from podtrain.axes import AXES, PLAIN_AXES
-from podtrain.planning import fit
 from podtrain.program import optim
 from podtrain.program.checks import resolve_auto
 from podtrain.program.job import build
 from podtrain.program.load import load_config
+from podtrain.program.prepare import final, prepare
 from podtrain.runtime.chips import device_memory, peak_flops
 from podtrain.runtime.devices import select_devices
 from podtrain.runtime.mesh import build_mesh
@@ -93,7 +93,9 @@ def podtrain_config(preset: str, tiny: bool, overrides: list[str], resolve: bool
 class PodtrainSide:
     def __init__(self, cfg, devices=None):
         self.devices = devices or select_devices(cfg.device_type)
-        self.job = build(cfg, build_mesh(cfg.mesh, self.devices))
+        mesh = build_mesh(cfg.mesh, self.devices)
+        ready = prepare(cfg, self.devices[0].platform, mesh, device_memory(self.devices[0]))  # as `train` does
+        self.cfg, self.job, self.train_step = ready.cfg, ready.job, ready.step
         self.state = self.job.init_state(cfg.seed)
         self.batch = self.job.task.batches[0]
 
@@ -103,7 +105,7 @@ class PodtrainSide:
 
     def steps(self, n: int) -> float:
         for _ in range(n):
-            self.state, metrics = self.job.step(self.state, self.batch)
+            self.state, metrics = self.train_step(self.state, self.batch)
         return float(metrics["loss"])
 
 
@@ -217,8 +219,8 @@ def run_side(side: str, cfg, repeats: int, steps: int, warmup: int, folder: Path
     podtrain writes the token windows both train on into `folder`, the reference reads them."""
     if side == "podtrain":
         devices = select_devices(cfg.device_type)
-        cfg = fit.choose_unroll(cfg, build_mesh(cfg.mesh, devices), device_memory(devices[0]))  # as `train` does
         ours = PodtrainSide(cfg, devices)
+        cfg = ours.cfg
         np.save(folder / "windows.npy", ours.windows())
         peak = peak_flops(ours.devices[0])
         described = {
@@ -295,7 +297,8 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
                 False,
                 [*overrides, f"model.n_layers={layers}", f"model.scan_unroll={layers if unroll == 'n_layers' else 1}"],
             )
-            job = build(cfg, build_mesh(cfg.mesh, devices[:1]))
+            mesh = build_mesh(cfg.mesh, devices[:1])
+            job = build(final(cfg, devices[0].platform, mesh), mesh)
             clock = time.perf_counter()
             job.step.lower(job.abstract_state, job.task.batches.abstract).compile()
             print(f"compile, {layers} layers, scan_unroll={unroll}: {time.perf_counter() - clock:.1f} s")
@@ -305,7 +308,7 @@ def scaling(preset: str, overrides: list[str], steps: int) -> None:
     for i in range(steps):
         jax.block_until_ready(side.state)
         clock = time.perf_counter()
-        side.state, _ = side.job.step(side.state, side.batch)
+        side.state, _ = side.train_step(side.state, side.batch)
         dispatch.append(time.perf_counter() - clock)
         clock = time.perf_counter()
         jax.block_until_ready(side.job.task.batches[i])

@@ -8,6 +8,7 @@ import sys
 from podtrain import storage
 from podtrain.data.commands import add_data_commands
 from podtrain.errors import ConfigError, PodtrainError, Preempted
+from podtrain.interop.hf.families import known_as
 from podtrain.tools.generate import add_generate_command
 from podtrain.tools.launch import add_launch_command
 
@@ -195,7 +196,7 @@ def _add_job_commands(sub) -> None:
 def _add_convert_command(sub) -> None:
     cv = sub.add_parser(
         "convert",
-        help="import a Hugging Face checkpoint (Llama, Mistral, Qwen, Gemma, Phi-3) as a run directory, or export one",
+        help=f"import a Hugging Face checkpoint ({known_as()}) as a run directory, or export one",
         description=(
             "--from-hf SRC RUN_DIR [key=value ...]: SRC is a folder with config.json and *.safetensors or a hub name; "
             "RUN_DIR gets config.yaml, the tokenizer and a step-0 checkpoint of the weights. --to-hf RUN_DIR OUT_DIR: "

@@ -49,6 +49,7 @@ SLOWEST_FIRST = (
     "test_pipeline.py",
     "test_multihost.py",
     "test_plan.py",
+    "test_notebook.py",
     "test_reasoning.py",
     "test_mhc.py",
     "test_moe.py",

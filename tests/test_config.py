@@ -225,7 +225,7 @@ def test_values_are_read_as_typed(source, tmp_path):
     assert load_config(None, ["checkpoint.async_save=on"]).checkpoint.async_save is True
     with pytest.raises(ConfigError, match="`compile_cache` in the overrides is the boolean false; it takes a word"):
         load_config(None, ["compile_cache=false"])
-    with pytest.raises(ConfigError, match="`model.remat` .* is the boolean true; it takes one of: none, full, dots"):
+    with pytest.raises(ConfigError, match="`model.remat` .* is the boolean true; it takes one of: none, dots, full"):
         load_config(None, ["model.remat=true"])
 
 

@@ -301,9 +301,9 @@ def test_a_split_sequence_compiles_for_tpu_with_splash():
         + ["mesh.data=1", "mesh.context=4", "model.compute_dtype=bfloat16", "device_type=tpu"],
     )
     target = hardware.target("v5p-8")
-    cfg = plan.for_target(cfg, target)
+    ready = plan.prepared(cfg, target)
+    cfg, compiled = ready.cfg, ready.compiled
     assert cfg.model.attention == "splash"
-    compiled = build(cfg, build_mesh(cfg.mesh, target.devices), data=False).compile()
     moved = hlo.by_axes(hlo.collectives(compiled.as_text()), resolve_shape(cfg.mesh, 4))
     assert moved["context"] > 0 and set(moved) == {"context"}
     assert compiled.memory_analysis().temp_size_in_bytes < target.chip.memory

@@ -1,6 +1,9 @@
 """The docs: docs/configuration.md is what the schema generates, it shows every key of every model
-family with its valid values, and the links between the README and the pages resolve."""
+family with its valid values, the links between the README and the pages resolve, and the Python
+API's examples call it as it is."""
 
+import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -66,3 +69,35 @@ def test_links_between_pages_resolve():
             assert resolved.exists(), f"{page.name}: {target}"
             if anchor:
                 assert anchor in anchors(resolved), f"{page.name}: {target}"
+
+
+def test_the_python_examples_call_the_api_as_it_is():
+    """The README's and docs/api.md's Python blocks (notebooks/quickstart.ipynb runs the same calls,
+    tests/test_notebook.py): each `api.f(...)`, `run.m(...)` and `plan.m(...)` binds to a signature
+    of podtrain.api, each attribute read of a run or plan exists, and every function is shown."""
+    from podtrain import api
+    from podtrain.planning.plan import Plan
+
+    owners = {"api": [api], "run": [api.Run], "plan": [api.Plan, Plan]}  # api.Plan reads Plan's attributes
+    blocks = [block for page in (ROOT / "README.md", ROOT / "docs" / "api.md") for block in python_blocks(page)]
+    used = set()
+    for node in ast.walk(ast.parse("\n".join(blocks))):
+        target = node.func if isinstance(node, ast.Call) else node
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)):
+            continue
+        if (name := target.value.id) not in owners:
+            continue
+        found = [
+            o for o in owners[name] if hasattr(o, target.attr) or target.attr in getattr(o, "__dataclass_fields__", {})
+        ]
+        assert found, f"{name}.{target.attr} is not in podtrain.api"
+        used.add(f"{name}.{target.attr}")
+        if node is not target:  # a call: its arguments bind (a method's self among them)
+            args = [None] * (len(node.args) + (name != "api"))
+            inspect.signature(getattr(found[0], target.attr)).bind(*args, **{k.arg: None for k in node.keywords})
+    functions = {f"api.{n}" for n in api.__all__ if inspect.isfunction(getattr(api, n))}
+    assert functions <= used and "run.generate" in used, functions - used
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)

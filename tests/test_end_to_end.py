@@ -174,4 +174,4 @@ def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path, small_
     first, _ = run("a")
     second, log = run("b")
     assert first and first <= second
-    assert "Persistent compilation cache hit for 'jit_step'" in log
+    assert "Persistent compilation cache hit for 'jit_train_step'" in log

@@ -79,6 +79,7 @@ LAYERS = (
     ("planning",),
     ("train",),
     ("tools",),
+    ("api",),
     ("cli",),
     ("__main__",),
 )

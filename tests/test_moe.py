@@ -136,14 +136,23 @@ def test_dense_layers_come_first_and_the_loss_holds_the_balancing_terms(small_ov
 
 
 def test_an_moe_trains_and_reports_its_routing(small_overrides):
+    """At capacity 1.0 an expert takes 16 of a 32-token sequence's 64 copies (k=2 of 4 experts). A
+    router that spreads tokens drops a few (0.10-0.19 measured); one that sends every token to one
+    expert drops at least the 16 first choices past its capacity, a quarter; a router of zeros
+    (every token to experts 0 and 1, the lower index first among equals) drops half."""
     state, step, batches = trainer([*small_overrides, *MOE, "train.lr=3e-3", "model.capacity_factor=1.0"], 1)
-    losses = []
+    losses, dropped = [], []
     for i in range(4):
         state, metrics = step(state, batches[i])
         losses.append(float(metrics["loss"]))
+        dropped.append(float(metrics["dropped"]))
     assert losses[-1] < losses[0]
     assert {"aux_loss", "z_loss", "expert_load", "expert_load/0", "expert_load/1", "dropped"} <= set(metrics)
-    assert 0 <= float(metrics["dropped"]) < 1
+    assert all(0 < d < 0.25 for d in dropped), dropped
+    router = state["params"]["layers"]["mlp"]["router"]
+    state["params"]["layers"]["mlp"]["router"] = jax.device_put(jnp.zeros_like(router), router.sharding)
+    _, collapsed = step(state, batches[4])
+    assert float(collapsed["dropped"]) == 0.5 and float(collapsed["expert_load"]) == 2.0
 
 
 @pytest.mark.parametrize(
@@ -333,9 +342,8 @@ def test_experts_compile_for_tpu_with_the_ragged_exchange_and_the_megablox_kerne
         + ["model.max_seq_len=256", "mesh.data=1", "mesh.expert=4", "device_type=tpu"],
     )
     target = hardware.target("v5p-8")
-    cfg = plan.for_target(cfg, target)
-    assert cfg.model.expert_kernel == "megablox"
     p = plan.plan(cfg, target, remedy=False)
+    assert p.cfg.model.expert_kernel == "megablox"
     kernels = {o.name.split(".")[0] for o in p.top_flops if o.op == "custom-call" and o.source.startswith("experts")}
     assert kernels == {"gmm", "tgmm"}
     assert p.fits and set(p.axes_bytes) == {"expert"}, p.axes_bytes
@@ -380,7 +388,7 @@ def test_experts_compile_for_a_gpu_with_the_ragged_exchange():
         [*SMALL, *MOE, "model.experts=8", "model.d_model=128", "model.expert_d_ff=128", "train.seq_len=256"]
         + ["model.max_seq_len=256", "mesh.data=2", "mesh.expert=4", "device_type=gpu"],
     )
-    p = plan.plan(plan.for_target(cfg, hardware.target("h100x8")), hardware.target("h100x8"), remedy=False)
+    p = plan.plan(cfg, hardware.target("h100x8"), remedy=False)
     copies = 8 * 256 // 8 * 2 * 128 * 4  # tokens per device x k x d_model x float32
     assert p.fits and p.collectives["ragged-all-to-all"] == 2 * 2 * 2 * copies, p.collectives
     assert p.collectives["all-gather"] < copies / 2, p.collectives
@@ -406,10 +414,14 @@ def test_the_bias_update_moves_a_skewed_router_toward_balance(small_overrides):
 
 
 @pytest.mark.integration
-def test_moe_tiny_beats_tiny_at_the_same_steps_and_weights_per_token(tmp_path):
+def test_moe_tiny_matches_tiny_at_the_same_steps_and_weights_per_token(tmp_path):
     """configs/moe_tiny.yaml against configs/tiny.yaml as shipped (200 steps, same data and seed, 2
-    experts of half the dense MLP's width per token), each as a user runs it: the MoE's held-out
-    loss at the last evaluation is lower (1.639 against 1.641 when measured; bench/moe_vs_dense.py)."""
+    experts of half the dense MLP's width per token), each as a user runs it: the MoE's held-out loss
+    at the last evaluation is the one measured (1.639; bench/moe_vs_dense.py) and level with the dense
+    model's (1.641): a tie, which the MoE neither clearly wins nor loses. A router blind to the token
+    (experts by position, balanced, none dropped) ends at 1.743 and one that sends every token to
+    experts 0 and 1 at 2.033, so 0.03 leaves room for other CPUs and XLA versions (rerun here,
+    1.6389 against 1.6407) and misses the nearer of them by 0.07."""
     configs = Path(__file__).parent.parent / "configs"
     runs = {name: tmp_path / name for name in ("tiny", "moe_tiny")}
     started = [
@@ -428,4 +440,5 @@ def test_moe_tiny_beats_tiny_at_the_same_steps_and_weights_per_token(tmp_path):
     last = {name: [r for r in read_metrics(run) if "val_loss" in r][-1] for name, run in runs.items()}
     print({name: (r["step"], r["val_loss"]) for name, r in last.items()})
     assert last["tiny"]["step"] == last["moe_tiny"]["step"] == 200
-    assert last["moe_tiny"]["val_loss"] < last["tiny"]["val_loss"]
+    moe, dense = last["moe_tiny"]["val_loss"], last["tiny"]["val_loss"]
+    assert moe == pytest.approx(1.639, abs=0.03) and abs(moe - dense) < 0.03, (moe, dense)

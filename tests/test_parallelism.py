@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from podtrain.config.parallel import MeshConfig
 from podtrain.planning import targets
 from podtrain.planning.hlo import collectives, summary
-from podtrain.program.job import compile_step
 from podtrain.program.load import load_config
+from podtrain.program.prepare import prepare
 from podtrain.program.state import model_fns
 from podtrain.runtime.mesh import build_mesh
 from podtrain.sharding import sharded_jit
@@ -52,7 +52,8 @@ def compiled():
     def get(shape, model="llama"):
         if (shape, model) not in cache:
             cfg = _config(shape, model)
-            cache[shape, model] = compile_step(cfg, build_mesh(cfg.mesh, jax.devices()[: math.prod(shape)]))
+            mesh = build_mesh(cfg.mesh, jax.devices()[: math.prod(shape)])
+            cache[shape, model] = prepare(cfg, "cpu", mesh, float("inf"), data=False).compiled
         return cache[shape, model]
 
     return get

@@ -16,11 +16,13 @@ from podtrain.errors import DoesNotFit
 from podtrain.models.attention import causal_blocks
 from podtrain.planning import fit, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.checks import changed
 from podtrain.program.job import build
 from podtrain.program.load import load_config
 from podtrain.program.state import model_fns
 from podtrain.runtime import chips
 from podtrain.runtime.mesh import build_mesh, factorizations
+from podtrain.train import loop
 from podtrain.train.loop import train
 
 from helpers import NOISE, needs_cuda_compiler, needs_libtpu
@@ -78,7 +80,7 @@ def test_fsdp_collectives_are_the_analytic_volume():
     backward, the rest once; every gradient reduce-scattered once (bytes of the whole arrays)."""
     cfg = load_config(CONFIGS / "tiny.yaml", [*MEDIUM, "mesh.data=1", "mesh.fsdp=8", "model.tie_embeddings=false"])
     p = plan.plan(cfg, cpu(8))
-    params, layers = _sizes(fit.changed(p.cfg, {"mesh.fsdp": 1}))
+    params, layers = _sizes(changed(p.cfg, {"mesh.fsdp": 1}))
     assert p.collectives["all-gather"] == pytest.approx(2 * layers + (params - layers), rel=0.1)
     assert p.collectives["reduce-scatter"] + p.collectives["all-reduce"] == pytest.approx(params, rel=0.1)
     assert p.times["network"] > 0 and p.step_time == max(p.times["compute"], p.times["memory"], p.times["network"])
@@ -109,7 +111,7 @@ def test_compiled_matmul_flops_match_the_model(remat, lora):
 def test_a_job_that_does_not_fit_gets_the_smallest_change():
     cfg = load_config(CONFIGS / "tiny.yaml", MEDIUM)
     big = plan.plan(cfg, cpu(8), remedy=False)
-    small = fit.changed(cfg, {"train.grad_accum": 2})
+    small = changed(cfg, {"train.grad_accum": 2})
     needed = plan.plan(small, cpu(8), remedy=False).memory.total
     target = cpu(8)
     target.chip = chips.Chip("tight", "cpu", (needed + big.memory.total) / 2, 1e12, 1e11, 1e10)
@@ -120,7 +122,7 @@ def test_a_job_that_does_not_fit_gets_the_smallest_change():
 
 
 def test_train_refuses_a_job_that_cannot_fit(tmp_path, monkeypatch, small_overrides):
-    monkeypatch.setattr(fit, "device_memory", lambda device: 2**10)
+    monkeypatch.setattr(loop, "device_memory", lambda device: 2**10)
     cfg = load_config(None, [*small_overrides, f"run_dir={tmp_path / 'run'}", "train.steps=2"])
     with pytest.raises(DoesNotFit, match="per device of 0.00 GiB"):
         train(cfg)
@@ -335,7 +337,7 @@ def test_splash_compiles_for_tpu_and_keeps_scores_off_hbm():
         [*MEDIUM, "model.max_seq_len=512", "train.seq_len=512", "mesh.tensor=2", "model.compute_dtype=bfloat16"],
     )
     target = hardware.target("v5e-8")
-    splash, xla = plan.plan(cfg, target), plan.plan(fit.changed(cfg, {"model.attention": "xla"}), target)
+    splash, xla = plan.plan(cfg, target), plan.plan(changed(cfg, {"model.attention": "xla"}), target)
     assert splash.cfg.model.attention == "splash" and splash.fits
     assert splash.memory.temporaries < xla.memory.temporaries and splash.traffic < xla.traffic
 
@@ -348,9 +350,9 @@ def test_windowed_layers_run_cudnn_on_a_gpu():
     windows = ["model.sliding_window=64", "model.full_attention_layers=[3]", "model.qk_norm=true"]
     cfg = load_config(CONFIGS / "tiny.yaml", [*windows, "model.scan_unroll=1", "train.batch_size=4"])
     target = hardware.target("h100")
-    resolved = plan.for_target(cfg, target)
-    assert resolved.model.attention == "cudnn"
-    _, compiled = fit.measure(build(resolved, build_mesh(resolved.mesh, target.devices), data=False), 80 * 2**30)
+    ready = plan.prepared(cfg, target)
+    assert ready.cfg.model.attention == "cudnn"
+    compiled = ready.compiled
     text = compiled.as_text()
     assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text and "fmhaSoftmaxBackward" in text
     assert "bktgs" not in text and "btkgh,bskh" not in text  # the xla path's einsums, named in its metadata

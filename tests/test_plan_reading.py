@@ -4,8 +4,9 @@ the most FLOPs, each traced back to its model code), and GPU plans compiled with
 import re
 
 import pytest
-from podtrain.planning import cost, fit, hlo, plan, report
+from podtrain.planning import cost, hlo, plan, report
 from podtrain.planning import targets as hardware
+from podtrain.program.checks import changed
 from podtrain.program.job import build
 from podtrain.program.load import load_config
 from podtrain.runtime.mesh import build_mesh
@@ -17,7 +18,7 @@ def test_operations_add_up_to_the_step_and_name_their_source():
     cfg = load_config(None, SMALL + ["mesh.data=1", "model.remat=full", "train.grad_accum=2"])
     target = hardware.target("cpu:1")
     p = plan.plan(cfg, target)
-    text = build(plan.for_target(cfg, target), build_mesh(cfg.mesh, target.devices), data=False).compile().as_text()
+    text = plan.prepared(cfg, target).compiled.as_text()
     ops = cost.operations(text)
     assert sum(o.bytes for o in ops) == cost.memory_traffic(text) == p.traffic
     assert sum(o.flops for o in ops) == cost.matmul_flops(text) == p.matmul_flops
@@ -75,11 +76,11 @@ def test_a_gpu_plan_compiles_cudnn_attention_without_scores():
     cfg = load_config(None, overrides + ["train.seq_len=96", "model.max_seq_len=96", "mesh.data=2", "mesh.tensor=2"])
     target = hardware.target("h100x4")
     assert target.label.endswith("(compiled for the GPU)") and target.devices[0].platform == "gpu"
-    resolved = plan.for_target(cfg, target)
+    resolved = plan.prepared(cfg, target).cfg
     assert resolved.model.attention == "cudnn"
     compiled = {}
     for attention in ("xla", "cudnn"):
-        c = fit.changed(resolved, {"model.attention": attention})
+        c = changed(resolved, {"model.attention": attention})
         compiled[attention] = build(c, build_mesh(c.mesh, target.devices), data=False).compile()
     texts = {k: v.as_text() for k, v in compiled.items()}
     assert _score_arrays(texts["xla"], 96, 48)  # the detector sees XLA's scores (2 causal blocks of 48)

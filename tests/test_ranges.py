@@ -33,7 +33,7 @@ def test_out_of_range_exits_2_naming_key_and_range(override, valid, tmp_path, ca
     """Rejected while loading: nothing is started (runtime.start would fail the test)."""
     import podtrain.train.loop as loop
 
-    monkeypatch.setattr(loop, "on_this_machine", lambda cfg: pytest.fail("the runtime started"))
+    monkeypatch.setattr(loop.runtime, "start", lambda cfg: pytest.fail("the runtime started"))
     args = override.split()
     assert main(["train", *args, f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,6 @@ train as a local run does; nothing becomes a local folder named after a scheme; 
 import json
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
@@ -178,36 +177,48 @@ def test_convert_writes_to_and_reads_from_a_bucket_every_tensor_equal(gcs, tmp_p
 
 
 def test_processes_of_a_host_that_copy_a_bucket_folder_at_once_each_get_a_whole_copy(gcs, tmp_path, monkeypatch):
-    """The processes of one host load a bucket's tokenizer at once: each fetches into a folder of its
-    own, renamed into place whole, so none reads another's half-made copy. A version is fetched once;
-    a changed object is a new version; a file is copied under its own name."""
+    """The processes of one host load a bucket's tokenizer at once: each that finds no copy of the
+    version fetches it whole into a folder of its own, renamed into place, so none reads another's
+    half-made copy; one that finds the copy there fetches nothing, even while another still fetches.
+    Nothing locks: each that looks before the first rename fetches the version once, and the losers
+    drop theirs. A changed object is a new version; a file is copied under its own name."""
     files = {"tokenizer.json": b'{"one": 1}', "nested/config.json": b"{}"}
     for name, data in files.items():
         storage.write_bytes(f"{gcs.path}/tok/{name}", data)
     monkeypatch.setenv("PODTRAIN_CACHE", str(tmp_path))
-    fs, fetched = storage.filesystem(gcs.path), []
+    fs, fetched, loader = storage.filesystem(gcs.path), [], threading.local()
     get_file = fs.get_file
+    second_fetching, late_loaded = threading.Event(), threading.Event()
 
-    def slow_get_file(remote, local, **kwargs):  # a slow link, so the fetches overlap
-        fetched.append(remote)
-        time.sleep(0.05)
+    def get_file_in_order(remote, local, **kwargs):  # the race forced, never left to timing
+        who = getattr(loader, "name", "main")
+        fetched.append((who, remote))
+        if who == "first":  # renames into place only once `second` is fetching its own
+            assert second_fetching.wait(10)
+        elif who == "second":  # which ends only after two later loads have read the first's copy
+            second_fetching.set()
+            assert late_loaded.wait(10)
         return get_file(remote, local, **kwargs)
 
-    monkeypatch.setattr(fs, "get_file", slow_get_file)
-    start = threading.Barrier(4)
+    monkeypatch.setattr(fs, "get_file", get_file_in_order)
 
-    def load(_) -> dict[str, bytes]:
-        start.wait()
+    def load(name: str) -> dict[str, bytes]:
+        loader.name = name
         folder = storage.local_copy(f"{gcs.path}/tok")
-        return {name: (folder / name).read_bytes() for name in files}
+        return {f: (folder / f).read_bytes() for f in files}
 
     with ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(load, range(4))) == [files] * 4
-    fetches = len(fetched)
-    assert 2 <= fetches <= 8 and storage.local_copy(f"{gcs.path}/tok") and len(fetched) == fetches
+        racing = [pool.submit(load, name) for name in ("first", "second")]
+        assert racing[0].result(timeout=30) == files
+        assert [pool.submit(load, name).result(timeout=30) for name in ("third", "fourth")] == [files] * 2
+        late_loaded.set()
+        assert racing[1].result(timeout=30) == files  # its rename lost; it reads the first's copy
+    objects = sorted(f"{gcs.name}/tok/{f}" for f in files)
+    assert sorted(fetched) == [("first", o) for o in objects] + [("second", o) for o in objects], fetched
+    assert storage.local_copy(f"{gcs.path}/tok") and len(fetched) == 4
     storage.write_bytes(f"{gcs.path}/tok/tokenizer.json", b'{"two": 2}')
     changed = storage.local_copy(f"{gcs.path}/tok")
-    assert (changed / "tokenizer.json").read_bytes() == b'{"two": 2}' and len(fetched) == fetches + 2
+    assert (changed / "tokenizer.json").read_bytes() == b'{"two": 2}' and len(fetched) == 4 + 2
     file = storage.local_copy(f"{gcs.path}/tok/nested/config.json")
     assert file.name == "config.json" and file.read_bytes() == b"{}"
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no fetch left behind

@@ -45,7 +45,7 @@ class PipelineConfig:
 class ContextConfig:
     """How attention runs over a sequence `mesh.context` splits."""
 
-    strategy: Literal["all_gather", "ring"] = key(
+    strategy: str = key(
         "all_gather",
         "all_gather: every shard's keys and values gathered per layer; ring: passed round a ring of the context "
         "shards, one shard's at a time (less memory, more steps)",

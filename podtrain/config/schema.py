@@ -3,7 +3,9 @@
 Plain dataclasses of `keys.key` fields (the parallelism sections in `parallel`), importing nothing
 of podtrain but those, the axes table and errors: no jax. A key with a fixed set of values is a
 `Literal`, a numeric key carries its `Range`; OmegaConf checks both when a config loads
-(`podtrain.program.load`), and docs/configuration.md is generated from the same fields. Each model
+(`podtrain.program.load`), and docs/configuration.md is generated from the same fields. A key that
+names an entry of a registry above the config (an optimizer, an attention core, ...) is a `str`,
+checked against that registry by `podtrain.program.checks.switches`, which the docs read too. Each model
 family's config subclasses `ModelConfig` beside its model; each task's train keys subclass
 `TrainConfig` beside the task.
 """
@@ -31,10 +33,10 @@ class ModelConfig:
     d_ff: int = key(384, "hidden width of the MLP", ">= 1")
     max_seq_len: int = key(256, "positions the model can attend over", ">= 1")
     norm_eps: float = key(1e-5, "epsilon of the normalisation layers", "> 0")
-    remat: Literal["none", "full", "dots"] = key(
+    remat: str = key(
         "none",
-        "what the backward recomputes: nothing, each layer in full (bar what the model marks as kept: mHC's "
-        "branch inputs and outputs, its mixing projection), or all but the matmul outputs",
+        "what the backward recomputes: none, nothing; dots, all but the matmul outputs; full, each layer in full (bar "
+        "what the model marks as kept: mHC's branch inputs and outputs, its mixing projection)",
     )
     scan_unroll: int | str = key(
         "auto",
@@ -45,10 +47,10 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = key(
         "auto", "matmul and activation dtype (auto: bfloat16 on GPU/TPU, float32 on CPU); params stay float32"
     )
-    attention: Literal["auto", "xla", "cudnn", "splash"] = key(
-        "auto", "attention kernel (auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
+    attention: str = key(
+        "auto", "attention core (the table below; auto: cudnn on GPU with bf16, splash on TPU, xla otherwise)"
     )
-    matmul_precision: Literal["compute", "fp8", "int8"] = key(
+    matmul_precision: str = key(
         "compute", "the layers' weight matmuls: in the compute dtype, fp8 (H100/H200) or int8 (TPU v5e/v5p/v6e)"
     )
 
@@ -84,7 +86,7 @@ class TrainConfig:
     lr: float = key(2e-3, "peak learning rate (linear warmup, then cosine decay)", "> 0")
     min_lr_ratio: float = key(0.1, "final learning rate as a fraction of the peak", "[0, 1]")
     warmup_steps: int = key(20, "steps of linear warmup", ">= 0")
-    optimizer: Literal["adamw", "adam_atan2"] = key(
+    optimizer: str = key(
         "adamw", "adamw, or adam_atan2: Adam with atan2 in place of the division by sqrt(v) + eps (HRM, TRM)"
     )
     weight_decay: float = key(0.1, "decoupled weight decay, on matrices only", ">= 0")
@@ -140,20 +142,13 @@ class CheckpointConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["pydoc", "text", "tokens", "sudoku"] = key(
-        "pydoc",
-        "pydoc: the English docs every CPython ships; text: a local corpus at data.path; tokens: shards from "
-        "`podtrain data prepare`; sudoku: a folder from `podtrain data sudoku`",
-    )
+    source: str = key("pydoc", "where the data comes from: a source of podtrain.data.registry (the table below)")
     path: str | None = key(None, "the corpus, shards or puzzles of data.source")
     tokenizer: str = key(
         "auto", "auto (the shards' own for tokens, else bytes), bytes, a folder with tokenizer.json, or a hub model"
     )
-    format: Literal["text", "chat", "pairs"] = key(
-        "text",
-        'text: documents to model whole; chat: JSONL conversations ({"messages": [{role, content}]}) rendered with '
-        "the tokenizer's chat template, trained on the assistant's tokens only, packed apart; pairs: JSONL "
-        'preference pairs ({"prompt" or "messages", "chosen", "rejected"}) for train.objective=dpo, one a row',
+    format: str = key(
+        "text", "what the rows hold and how they are made: a format of the language task (the table below)"
     )
     pack: Literal["concat", "documents"] = key(
         "concat", "concat: documents joined by EOS into rows; documents: attention stays inside each document"
@@ -171,7 +166,7 @@ class DataConfig:
 
 @dataclass
 class LogConfig:
-    to: list[Literal["jsonl", "tensorboard", "wandb"]] = key(
+    to: list[str] = key(
         ["jsonl", "tensorboard"],
         "where metrics go, by process 0: RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR, Weights & Biases",
     )

@@ -12,8 +12,7 @@ from podtrain.config.schema import ModelConfig
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # `model.name`
-    config: type[ModelConfig]  # its keys under `model.`
+    config: type[ModelConfig]  # its keys under `model.`, whose default `name` names the family
     module: type  # the Flax NNX module built from that config
     # (config, n_params, positions) -> training FLOPs; a language family's takes per_weight=4 for a frozen base
     flops_per_token: Callable[..., float]
@@ -26,3 +25,8 @@ class Family:
     # which would fill and drain at every pass
     recurrent: bool = False
     stacks: tuple[str, ...] = ("n_layers",)  # the model keys that are a scanned stack's length
+
+    @property
+    def name(self) -> str:
+        """`model.name`: its config's default."""
+        return self.config.name

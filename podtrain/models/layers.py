@@ -184,7 +184,7 @@ class SwiGLU(nnx.Module):
         w_in = jnp.stack([self.w_gate[...], self.w_up[...]], axis=1).astype(self.dtype)  # (d, 2, d_ff)
         w_down = self.w_down[...].astype(self.dtype)
         low_rank = lora.adapted(self)
-        plain = low_rank or self.activation != "silu" or ops.current() != "compute"
+        plain = low_rank or self.activation != "silu" or ops.narrow()
         if self.kernel == "pallas" and not plain and fused_mlp.fits(self.x_axes, *w_down.shape[::-1]):
             return constrain(fused_mlp.fused_swiglu_mlp(x, w_in, w_down, self.x_axes), self.x_axes)
         if self.recompute and not plain:
@@ -207,12 +207,15 @@ class SwiGLU(nnx.Module):
 # What a layer marks with `checkpoint_name(x, KEPT)` is cheaper kept than recomputed, and remat
 # full keeps it: mHC's branch inputs and outputs and its mixing projection (models/mhc.py).
 KEPT = "kept_under_remat"
+# model.remat -> what the backward keeps of a layer's forward (None: everything, no recomputation),
+# in order of the memory they save and the recomputation they cost
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.save_only_these_names(KEPT),
+    "none": None,
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(ops.PRODUCT),
     ),
+    "full": jax.checkpoint_policies.save_only_these_names(KEPT),
 }
 
 
@@ -251,10 +254,10 @@ def scan_layers(
                 out = (module.decode if decode else module)(h, *args, *own)
             return out if decode or getattr(module, "reports", False) else (out, None)
 
-        if remat != "none":
+        if (kept := REMAT_POLICIES[remat]) is not None:
             # Without CSE's guard a rolled scan stays right (one layer per iteration) and compiles
             # leaner; unrolled, XLA would merge the recomputation back into the forward pass.
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=unroll != 1)
+            body = jax.checkpoint(body, policy=kept, prevent_cse=unroll != 1)
         indices = jnp.arange(jax.tree.leaves(state)[0].shape[0])
         return jax.lax.scan(body, h, (state, per_layer, indices), unroll=unroll)
 

@@ -305,4 +305,4 @@ def causal_keys(t: int, window: int = 0) -> float:
 DEBUG = {"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384}
 DEBUG |= {"kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32}  # latent attention's
 
-FAMILY = Family("llama", LlamaConfig, Llama, flops_per_token, "language", DEBUG)
+FAMILY = Family(LlamaConfig, Llama, flops_per_token, "language", DEBUG)

@@ -347,4 +347,4 @@ def flops_per_token(cfg: MhcConfig, n_params: int, seq_len: int, per_weight: int
     return llama.flops_per_token(cfg, n_params, seq_len, per_weight) + 12 * cfg.n_layers * (n * n + 2 * n) * cfg.d_model
 
 
-FAMILY = Family("mhc", MhcConfig, Mhc, flops_per_token, "language", llama.DEBUG)
+FAMILY = Family(MhcConfig, Mhc, flops_per_token, "language", llama.DEBUG)

@@ -203,4 +203,4 @@ def flops_per_token(cfg: MoeConfig, n_params: int, seq_len: int, per_weight: int
 
 DEBUG = {**llama.DEBUG, "expert_d_ff": 96}
 
-FAMILY = Family("moe", MoeConfig, Moe, flops_per_token, "language", DEBUG, update_router_bias)
+FAMILY = Family(MoeConfig, Moe, flops_per_token, "language", DEBUG, update_router_bias)

@@ -27,18 +27,34 @@ from __future__ import annotations
 import contextvars
 import string
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-# (forward operands, backward output gradient) of each quantized policy
-FORMATS = {"fp8": (jnp.float8_e4m3fn, jnp.float8_e5m2), "int8": (jnp.int8, jnp.int8)}
-# Scaled per row (int8's 255 levels lose small rows to one large one) or per tensor (fp8's
-# exponent keeps them, and a tensor's one scale lets the backward reuse the forward's operands).
-ROWS = {"fp8": False, "int8": True}
+
+@dataclass(frozen=True)
+class Format:
+    """A quantized policy's formats: of the forward's operands and of the backward's output
+    gradient, and its scaling: per row (int8's 255 levels lose small rows to one large one) or per
+    tensor (fp8's exponent keeps them, and a tensor's one scale lets the backward reuse the
+    forward's operands)."""
+
+    operands: Any
+    gradient: Any
+    rows: bool
+
+
+# model.matmul_precision -> its format (None: the compute dtype, no quantization)
+PRECISIONS = {
+    "compute": None,
+    "fp8": Format(jnp.float8_e4m3fn, jnp.float8_e5m2, rows=False),
+    "int8": Format(jnp.int8, jnp.int8, rows=True),
+}
 PRODUCT = "narrow_matmul"  # the name of a quantized product's output
 _POLICY: contextvars.ContextVar[str] = contextvars.ContextVar("podtrain_matmul_precision", default="compute")
 
@@ -53,17 +69,17 @@ def policy(name: str):
         _POLICY.reset(token)
 
 
-def current() -> str:
-    """The precision policy in force."""
-    return _POLICY.get()
+def narrow() -> bool:
+    """Whether the policy in force quantizes the weights' matmuls (is not the compute dtype's)."""
+    return PRECISIONS[_POLICY.get()] is not None
 
 
 def dot(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """einsum(spec, x, w) of an activation x and a weight w, both cast to `dtype`, under the policy
     in force; the result is in `dtype`."""
     x, w = x.astype(dtype), w.astype(dtype)
-    name = current()
-    if name == "compute":
+    name = _POLICY.get()
+    if PRECISIONS[name] is None:
         return jnp.einsum(spec, x, w)
     # Named for remat's "dots" policy, which sees a custom_vjp's output as no matmul's.
     return checkpoint_name(_quantized(_explicit(spec, x.ndim, w.ndim), name, x, w), PRODUCT)
@@ -125,21 +141,21 @@ def _quantized(spec: str, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _quantized_fwd(spec, name, x, w):
-    (forward, _), rows = FORMATS[name], ROWS[name]
+    operands, rows = PRECISIONS[name].operands, PRECISIONS[name].rows
     x_in, w_in, out = _parts(spec)
-    qx, qw = _quantize(x, x_in, out, forward, rows), _quantize(w, w_in, out, forward, rows)
+    qx, qw = _quantize(x, x_in, out, operands, rows), _quantize(w, w_in, out, operands, rows)
     # Per tensor the backward reuses the quantized operands: half the bytes of x and w kept, no
     # second pass; per row it scales them again along its own products' rows.
     return _product(spec, qx, qw, x.dtype), (x, w) if rows else (qx, qw)
 
 
 def _quantized_bwd(spec, name, saved, d_out):
-    (forward, gradient), rows = FORMATS[name], ROWS[name]
+    operands, gradient = PRECISIONS[name].operands, PRECISIONS[name].gradient
     x_in, w_in, out = _parts(spec)
-    if rows:
+    if PRECISIONS[name].rows:
         x, w = saved
-        qd_x, qw = _quantize(d_out, out, x_in, gradient, True), _quantize(w, w_in, x_in, forward, True)
-        qx, qd_w = _quantize(x, x_in, w_in, forward, True), _quantize(d_out, out, w_in, gradient, True)
+        qd_x, qw = _quantize(d_out, out, x_in, gradient, True), _quantize(w, w_in, x_in, operands, True)
+        qx, qd_w = _quantize(x, x_in, w_in, operands, True), _quantize(d_out, out, w_in, gradient, True)
     else:
         (qx, qw), qd_x = saved, _quantize(d_out, out, "", gradient, False)
         qd_w = qd_x

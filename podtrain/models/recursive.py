@@ -258,7 +258,7 @@ def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
     r, d, length = cfg, cfg.d_model, seq_len + cfg.puzzle_emb_len
     mix = 3 * d * _swiglu_width(length) if cfg.mlp_t else 4 * d * d + 2 * length * d
     block = 2 * (mix + 3 * d * cfg.d_ff)
-    if cfg.name == "hrm":
+    if isinstance(cfg, HrmConfig):
         forward, with_grad = r.H_cycles * (r.L_cycles * r.L_layers + r.H_layers), r.L_layers + r.H_layers
     else:
         forward, with_grad = r.H_cycles * (r.L_cycles + 1) * r.L_layers, (r.L_cycles + 1) * r.L_layers
@@ -268,7 +268,5 @@ def flops_per_token(cfg: RecursiveConfig, n_params: int, seq_len: int) -> float:
 
 DEBUG = {"d_model": 128, "n_heads": 4, "d_ff": 384}  # the tiny job's widths, for --use-small-model
 
-HRM_FAMILY = Family(
-    "hrm", HrmConfig, HRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("H_layers", "L_layers")
-)
-TRM_FAMILY = Family("trm", TrmConfig, TRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("L_layers",))
+HRM_FAMILY = Family(HrmConfig, HRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("H_layers", "L_layers"))
+TRM_FAMILY = Family(TrmConfig, TRM, flops_per_token, "puzzles", DEBUG, recurrent=True, stacks=("L_layers",))

@@ -28,10 +28,13 @@ from dataclasses import dataclass, field
 from podtrain.axes import AXES, DCN_AXES, PLAIN_AXES
 from podtrain.config.schema import Config
 from podtrain.errors import PodtrainError
+from podtrain.models.layers import REMAT_POLICIES
+from podtrain.models.ops import PRECISIONS
 from podtrain.planning import cost, fit, hlo, network, precision
 from podtrain.planning.targets import Target
-from podtrain.program.checks import resolve_auto
-from podtrain.program.job import build
+from podtrain.program.checks import changed
+from podtrain.program.memory import Memory
+from podtrain.program.prepare import Prepared, prepare
 from podtrain.runtime.mesh import build_mesh, factorizations, resolve_shape, slices
 from podtrain.sharding import microbatches_over
 
@@ -43,7 +46,7 @@ class Plan:
     target: Target
     cfg: Config
     mesh: dict[str, int]  # each axis's size
-    memory: fit.Memory
+    memory: Memory
     tokens_per_step: int
     flops_per_step: float  # the model's, all devices
     matmul_flops: float | None  # per device, from the compiled HLO (None if not compiled)
@@ -99,28 +102,20 @@ def _roofline(p: Plan, found: list) -> dict:
     return {**times, "step": max(times.values())}
 
 
-def for_target(cfg: Config, target: Target) -> Config:
-    """`auto` settings as the target takes them; a GPU's scan_unroll by its compiled step's memory."""
-    cfg = resolve_auto(cfg, target.platform)
-    return fit.choose_unroll(cfg, build_mesh(cfg.mesh, target.devices), target.chip.memory)
+def prepared(cfg: Config, target: Target) -> Prepared:
+    """cfg's job made final and compiled for the target, from abstract shapes."""
+    return prepare(cfg, target.platform, build_mesh(cfg.mesh, target.devices), target.chip.memory, data=False)
 
 
 def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
     """Compile cfg's train step for the target and predict; with `remedy`, a job that does not fit
     also gets the smallest usual change that does."""
-
-    def unrolled_plan(unrolled_cfg: Config) -> tuple[fit.Memory, Plan]:
-        p = plan(unrolled_cfg, target, remedy=False)
-        return p.memory, p
-
-    cfg, unrolled = fit.settle_unroll(resolve_auto(cfg, target.platform), unrolled_plan)  # a GPU's auto
-    if unrolled:
-        return unrolled
-    n = len(target.devices)
-    mesh = build_mesh(cfg.mesh, target.devices)
-    job = build(cfg, mesh, data=False)
     clock = time.perf_counter()
-    memory, compiled = fit.measure(job, target.chip.memory)
+    ready = prepared(cfg, target)
+    compile_s = time.perf_counter() - clock
+    cfg, job, memory, compiled = ready.cfg, ready.job, ready.memory, ready.compiled
+    n = len(target.devices)
+    mesh = job.setup.fns.mesh
     result = Plan(
         target,
         cfg,
@@ -131,14 +126,14 @@ def plan(cfg: Config, target: Target, remedy: bool = True) -> Plan:
         None,
         None,
         None,
-        compile_s=time.perf_counter() - clock,
+        compile_s=compile_s,
     )
     if compiled is not None:
         text = compiled.as_text()
         found = hlo.collectives(text)
         result.matmul_flops = float(cost.matmul_flops(text))
         policy = cfg.model.matmul_precision
-        result.narrow_flops = 0.0 if policy == "compute" else float(cost.matmul_flops(text, policy))
+        result.narrow_flops = 0.0 if PRECISIONS[policy] is None else float(cost.matmul_flops(text, policy))
         result.xla_cost_flops = _cost_flops(compiled)
         result.collectives, result.axes_bytes = hlo.summary(found), hlo.by_axes(found, result.mesh)
         ops = cost.operations(text)
@@ -178,10 +173,10 @@ def sweep(cfg: Config, target: Target) -> list[tuple[dict, Plan | str]]:
         for sizes in factorizations(per_slice, len(tried))
     ]
     for mesh in meshes:
-        for remat in ("none", "dots", "full"):
+        for remat in REMAT_POLICIES:
             changes = {**mesh, "model.remat": remat}
             try:
-                rows.append((changes, plan(fit.changed(cfg, changes), target, remedy=False)))
+                rows.append((changes, plan(changed(cfg, changes), target, remedy=False)))
             except PodtrainError as e:
                 rows.append((changes, str(e)))
     return sorted(rows, key=_rank)

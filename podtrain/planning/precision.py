@@ -5,6 +5,7 @@ said so."""
 
 from __future__ import annotations
 
+from podtrain.models.ops import PRECISIONS
 from podtrain.runtime.chips import Chip
 
 
@@ -15,7 +16,7 @@ def compute_seconds(chip: Chip, matmul_flops: float, narrow_flops: float, policy
 
 def no_gain(chip: Chip | None, policy: str) -> str | None:
     """Why `policy` buys nothing on `chip` (None: a CPU, which emulates the formats), or None where it pays."""
-    if policy == "compute" or (chip and chip.matmul_peak(policy) > chip.peak_flops):
+    if PRECISIONS[policy] is None or (chip and chip.matmul_peak(policy) > chip.peak_flops):
         return None
     where = (
         f"the {chip.name} (no {policy} rate above its bf16 {chip.peak_flops / 1e12:,.0f} TFLOP/s)" if chip else "CPUs"
@@ -27,8 +28,8 @@ def no_gain(chip: Chip | None, policy: str) -> str | None:
 
 
 def sentence(chip: Chip, policy: str, matmul_flops: float | None, narrow_flops: float | None) -> str | None:
-    """The plan's word on the policy: None under "compute"."""
-    if policy == "compute":
+    """The plan's word on the policy: None under one that quantizes nothing (the compute dtype)."""
+    if PRECISIONS[policy] is None:
         return None
     if said := no_gain(chip, policy):
         return said

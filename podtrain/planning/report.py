@@ -6,6 +6,7 @@ from __future__ import annotations
 from podtrain.axes import AXES, DCN_AXES
 from podtrain.planning import cost, fit, precision
 from podtrain.planning.plan import Plan
+from podtrain.program.memory import size
 from podtrain.runtime.chips import GiB
 from podtrain.sharding import microbatches_over
 
@@ -93,9 +94,11 @@ def top_table(p: Plan, n: int) -> list[str]:
             amount = getattr(o, title)
             shape = o.shape.split("{")[0]  # without the layout
             shape = shape if len(shape) <= 28 else shape[:25] + "..."
-            size = fit.size(amount) if title == "bytes" else f"{amount:.3g}"
+            amount_text = size(amount) if title == "bytes" else f"{amount:.3g}"
             share = amount / total if total else 0
-            lines.append(f"{'':12}{share:>6.1%}  {size:>10}  {o.source or '-':<22} {o.op:<13} {shape:<28} {o.name}")
+            lines.append(
+                f"{'':12}{share:>6.1%}  {amount_text:>10}  {o.source or '-':<22} {o.op:<13} {shape:<28} {o.name}"
+            )
     return lines
 
 
@@ -122,7 +125,7 @@ def report(p: Plan, top: int = 0) -> str:
         )
         + (f"; XLA cost_analysis {p.xla_cost_flops:.3g} (counts a scanned layer once)" if p.xla_cost_flops else ""),
         *([f"precision   {said}"] if (said := precision.sentence(*_precision(p))) else []),
-        f"traffic     {fit.size(p.traffic)} read and written in device memory per device per step"
+        f"traffic     {size(p.traffic)} read and written in device memory per device per step"
         if p.traffic
         else "traffic     -",
         "network     "
@@ -133,7 +136,7 @@ def report(p: Plan, top: int = 0) -> str:
         ),
         *(
             [
-                f"dcn         {fit.size(p.dcn)} per device per step between the {p.target.slices} slices, at "
+                f"dcn         {size(p.dcn)} per device per step between the {p.target.slices} slices, at "
                 f"{p.target.chip.dcn_bandwidth / 1e9:g} GB/s per device: {p.times.get('dcn', 0) * 1e3:,.1f} ms"
             ]
             if p.target.slices > 1 and p.dcn is not None
@@ -153,9 +156,7 @@ def report(p: Plan, top: int = 0) -> str:
     if not p.fits:
         lines.append(f"remedy      {fit.advice(m, len(p.target.devices), p.remedy)}")
         if p.remedy_plan:
-            lines.append(
-                f"            with it: {fit.size(p.remedy_plan.memory.total)} per device, {_speed(p.remedy_plan)}"
-            )
+            lines.append(f"            with it: {size(p.remedy_plan.memory.total)} per device, {_speed(p.remedy_plan)}")
     return "\n".join(lines)
 
 

@@ -3,23 +3,26 @@ the `auto` values a platform resolves. `load.py` runs `validate` on every config
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib.util
 
 from podtrain import storage
 from podtrain.config.keys import ranges
 from podtrain.config.schema import Config
+from podtrain.data.registry import SOURCES
 from podtrain.errors import ConfigError, StorageError
 from podtrain.interop.hf.families import model_types
 from podtrain.models import MODELS
-from podtrain.models.attention.cores import CORES, preferred
+from podtrain.models.attention.context import STRATEGIES
+from podtrain.models.attention.cores import CORES, PORTABLE, preferred
+from podtrain.models.layers import REMAT_POLICIES
+from podtrain.models.ops import PRECISIONS
+from podtrain.program.optim import OPTIMIZERS
+from podtrain.program.sinks import SINKS
+from podtrain.program.tasks.language import FORMATS
 from podtrain.sharding import microbatches_over
-
-DATA_FOLDERS = {  # what data.path must name for each source that reads one
-    "text": "FILE_OR_DIR (a corpus file or folder: .txt, .md, .jsonl, .json, .parquet)",
-    "tokens": "DIR, a folder made by `podtrain data prepare --out DIR`",
-    "sudoku": "DIR, a folder built by `podtrain data sudoku --out DIR`",
-}
 
 
 def check_paths(cfg: Config) -> None:
@@ -36,8 +39,26 @@ def check_paths(cfg: Config) -> None:
         )
 
 
+def switches() -> dict[str, tuple[str, ...]]:
+    """Each key whose value names an entry of a registry (each item, for a list), with the names the
+    registry holds now: the checks, the load's errors and the configuration page read them here."""
+    return {
+        "model.name": tuple(MODELS),
+        "model.remat": tuple(REMAT_POLICIES),
+        "model.attention": ("auto", *CORES),
+        "model.matmul_precision": tuple(PRECISIONS),
+        "train.optimizer": tuple(OPTIMIZERS),
+        "context.strategy": tuple(STRATEGIES),
+        "log.to": tuple(SINKS),
+        "data.source": tuple(SOURCES),
+        "data.format": tuple(FORMATS),
+        "train.objective": tuple(dict.fromkeys(f.objective for f in FORMATS.values())),  # each a format's
+    }
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need more than a type: ranges and relations between values."""
+    """Checks that need more than a type: registered names, ranges and relations between values."""
+    _check_switches(cfg)
     _check_ranges(cfg)
     cfg.model.validate()
     check_paths(cfg)
@@ -53,6 +74,16 @@ def validate(cfg: Config) -> None:
         check(cfg)
 
 
+def changed(cfg: Config, changes: dict) -> Config:
+    """A copy of `cfg` with dotted keys set, checked like a config file."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        setattr(functools.reduce(getattr, path, cfg), last, value)
+    validate(cfg)
+    return cfg
+
+
 def _check_hf_type(cfg: Config) -> None:
     """model.hf_type is a model_type of the families table that the model's family computes."""
     kinds = model_types(cfg.model.name)
@@ -61,6 +92,18 @@ def _check_hf_type(cfg: Config) -> None:
             f"model.hf_type={cfg.model.hf_type!r} is not a Hugging Face model_type that model.name={cfg.model.name} "
             f"computes; choose one of: {', '.join(kinds)}."
         )
+
+
+def _check_switches(cfg: Config) -> None:
+    for name, choices in switches().items():
+        section, key = name.split(".")
+        if not hasattr(getattr(cfg, section), key):  # a key of another family's task
+            continue
+        value = getattr(getattr(cfg, section), key)
+        for item in value if isinstance(value, list) else [value]:
+            if item not in choices:
+                said = "has" if isinstance(value, list) else "is"
+                raise ConfigError(f"Config key `{name}` {said} {item!r}; choose one of: {', '.join(choices)}.")
 
 
 def _check_ranges(cfg: Config) -> None:
@@ -93,35 +136,40 @@ def _check_train(cfg: Config) -> None:
 
 
 def _check_data(cfg: Config) -> None:
-    """Where the data is, in what form, for which objective."""
+    """Where the data is, in what form, for which objective, by the records of its source and format."""
     t, data = cfg.train, cfg.data
-    # chat's conversations are asked for when training reads them: an imported run's config leaves them to set
-    if data.source in DATA_FOLDERS and not data.path and data.format != "chat":
-        raise ConfigError(f"data.source={data.source} needs data.path={DATA_FOLDERS[data.source]}.")
-    if data.source == "pydoc" and data.path:
+    source, form = SOURCES[data.source], FORMATS[data.format]
+    if source.path and not data.path and not form.path_on_read:
+        raise ConfigError(f"data.source={data.source} needs data.path={source.path}, {source.reads}.")
+    if data.path and not source.path:
+        others = [
+            f"{name} ({other.reads})" for name, other in SOURCES.items() if other.path and other.task == source.task
+        ]
         raise ConfigError(
-            f"data.path={data.path} is set, but data.source=pydoc reads the built-in text; set data.source=tokens "
-            "(shards from `podtrain data prepare`) or text (a local corpus)."
+            f"data.path={data.path} is set, but data.source={data.source} reads {source.reads}; set data.source="
+            f"{' or '.join(others)}."
         )
-    if data.format in ("chat", "pairs") and data.source != "text":
+    if form.sources and data.source not in form.sources:
         raise ConfigError(
-            f"data.format={data.format} reads {'conversations' if data.format == 'chat' else 'preference pairs'} from "
-            f"a JSONL file or folder: set data.source=text and data.path=FILE_OR_DIR (not data.source={data.source})."
+            f"data.format={data.format} reads {form.holds}: set data.source={' or '.join(form.sources)} and "
+            f"data.path={SOURCES[form.sources[0]].path} (not data.source={data.source})."
         )
-    if (getattr(t, "objective", "lm") == "dpo") != (data.format == "pairs"):
+    objective = getattr(t, "objective", "lm")
+    if form.objective != objective:
+        takes = " or ".join(name for name, other in FORMATS.items() if other.objective == objective)
         raise ConfigError(
-            "train.objective=dpo learns from preference pairs: set data.format=pairs too (JSONL lines of "
-            '{"prompt", "chosen", "rejected"})."'
-            if data.format != "pairs"
-            else "data.format=pairs holds preference pairs, which only train.objective=dpo learns from: set "
-            "train.objective=dpo (or data.format=chat to fine-tune on conversations)."
+            f"train.objective={objective} learns from data.format={takes}, and data.format={data.format} holds "
+            f"{form.holds} for train.objective={form.objective}: set data.format={takes} too, or set "
+            f"train.objective={form.objective}."
         )
 
 
 def _packed_apart(cfg: Config) -> str:
     """The key that keeps packed documents apart by segment ids, or ''."""
     data = cfg.data
-    return "data.pack=documents" if data.pack == "documents" else "data.format=chat" if data.format == "chat" else ""
+    if data.pack == "documents":
+        return "data.pack=documents"
+    return f"data.format={data.format}" if FORMATS[data.format].apart else ""
 
 
 def attention_refusal(cfg: Config, kernel: str) -> str | None:
@@ -186,11 +234,12 @@ def _check_experts(cfg: Config) -> None:
 
 
 def _check_logging(cfg: Config) -> None:
-    if "wandb" in cfg.log.to and not _installed("wandb"):
-        raise ConfigError(
-            "log.to has wandb, which is not installed: pip install -e '.[wandb]' (or pip install wandb), "
-            "or leave wandb out of log.to."
-        )
+    for name in cfg.log.to:
+        if (extra := SINKS[name].extra) and not _installed(extra):
+            raise ConfigError(
+                f"log.to has {name}, whose package {extra} is not installed: pip install -e '.[{extra}]' (or pip "
+                f"install {extra}), or leave {name} out of log.to."
+            )
 
 
 def _installed(module: str) -> bool:
@@ -250,11 +299,11 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
     if m.attention == "auto":
         head_dim = getattr(m, "head_dim", 0) or m.d_model // m.n_heads
         fused = preferred(platform, m.compute_dtype, head_dim).name
-        m.attention = "xla" if attention_refusal(cfg, fused) else fused
+        m.attention = PORTABLE if attention_refusal(cfg, fused) else fused
     if getattr(m, "mlp_kernel", None) == "auto":
         m.mlp_kernel = "pallas" if platform == "tpu" else "xla"
     if getattr(m, "expert_kernel", None) == "auto":
         m.expert_kernel = "megablox" if platform == "tpu" else "ragged_dot"
-    if m.scan_unroll == "auto" and platform != "gpu":  # on a GPU the compiled step decides: fit.choose_unroll
+    if m.scan_unroll == "auto" and platform != "gpu":  # on a GPU the compiled step decides: prepare
         m.scan_unroll = 1
     return cfg

@@ -1,13 +1,12 @@
 """A job: a model's task on a mesh, with its state's layout, its jitted steps and its rates.
 
-`build(cfg, mesh, data=False)` needs no data and no weights: `compile_step` uses it to compile
-the very step `train` runs from abstract shapes, for `plan` and for the memory check before a
-run's first step.
+`build(cfg, mesh, data=False)` needs no data and no weights: the step compiled from abstract shapes
+is the very step `train` runs (`podtrain.program.prepare`). `build` takes a config made final for
+its mesh (`prepare.final`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -15,12 +14,13 @@ from dataclasses import dataclass
 
 import jax
 from podtrain.config.schema import Config
+from podtrain.data.registry import SOURCES
 from podtrain.errors import ConfigError
-from podtrain.models import MODELS, family
+from podtrain.models import family
 from podtrain.program.state import TrainSetup, init_state, train_setup
 from podtrain.program.step import make_train_step, mean_over_batches
 from podtrain.program.tasks import Task
-from podtrain.program.tasks.registry import task_of
+from podtrain.program.tasks.registry import TASKS, families_of, task_of
 from podtrain.sharding import (
     Parallelism,
     batch_sharding,
@@ -76,7 +76,11 @@ class Job:
     eval_step: Callable  # (params, batch) -> metrics
     tokens_per_step: int
     flops_per_step: float
-    grad_accum: int  # on this mesh: train.grad_accum, or more (accumulation)
+
+    @property
+    def lora(self) -> bool:
+        """Whether the job trains LoRA's adapters on a frozen base (which rides beside the state's params)."""
+        return "base" in self.abstract_state
 
     def init_state(self, seed: int, params=None) -> dict:
         state = init_state(self.setup, seed, params)
@@ -109,11 +113,11 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
     stages = mesh.shape["stage"]
     pipelined = microbatches_over(stages, cfg.pipeline.microbatches) if stages > 1 else 1
-    grad_accum = accumulation(cfg, data_parallel_size(mesh), pipelined)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=grad_accum))
+    if accumulation(cfg, data_parallel_size(mesh), pipelined) != cfg.train.grad_accum:
+        raise ValueError("build takes a config made final for its mesh: podtrain.program.prepare.final")
     record = family(cfg.model)
-    if data and cfg.data.source not in task_of(record).data_sources:
-        readers = [name for name, f in MODELS.items() if cfg.data.source in task_of(f).data_sources]
+    if data and SOURCES[cfg.data.source].task != record.task:
+        readers = families_of(TASKS[SOURCES[cfg.data.source].task])
         raise ConfigError(
             f"data.source={cfg.data.source} is data for model.name={' or '.join(readers)}; model.name="
             f"{cfg.model.name} reads data.source={' or '.join(task_of(record).data_sources)}."
@@ -122,9 +126,9 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     task = task_of(record)(cfg, mesh, data)
     fns = setup.fns
     abstract_state = setup.abstract_state if task.carry is None else {**setup.abstract_state, "carry": task.carry}
-    after = record.after_step
+    after, lora = record.after_step, "base" in abstract_state
     # Under LoRA the base, an MoE router's bias with it, stays as it was.
-    after_step = None if after is None or "base" in abstract_state else functools.partial(after, cfg.model)
+    after_step = None if after is None or lora else functools.partial(after, cfg.model)
     parallelism = Parallelism.of(cfg)
     step = make_train_step(setup, t, mesh, task.loss_fn, abstract_state, cfg.seed, after_step, parallelism)
     eval_step = sharded_jit(
@@ -135,16 +139,10 @@ def build(cfg: Config, mesh, data: bool = True) -> Job:
     )
     tokens_per_step = t.batch_size * task.positions
     trained = setup.n_trained
-    if "base" in abstract_state:  # LoRA: the base's weights get no gradient, the adapters' do
+    if lora:  # the base's weights get no gradient, the adapters' do
         per_token = record.flops_per_token(cfg.model, fns.n_params - trained, task.positions, per_weight=4)
         per_token += 6 * trained
     else:
         per_token = record.flops_per_token(cfg.model, fns.n_params, task.positions)
     flops_per_step = per_token * tokens_per_step
-    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step, grad_accum)
-
-
-def compile_step(cfg: Config, mesh):
-    """The train step compiled ahead of time, to read its memory (`memory_analysis()`) and
-    collectives (`planning.hlo`) before running it."""
-    return build(cfg, mesh, data=False).compile()
+    return Job(setup, task, abstract_state, step, eval_step, tokens_per_step, flops_per_step)

@@ -3,8 +3,9 @@
 
 Precedence, lowest first: the family's defaults (for llama, the embedded tiny job), a YAML file,
 `TPU_MESH_CONFIG`/`TPU_AXIS_NAMES`, then command-line flags and overrides. OmegaConf checks keys,
-types and choices; this module turns its exceptions into messages a user can act on. It sits above
-the models (which family a config is) and the data (`model.vocab_size=auto`).
+types and choices (`checks.py` the names of registries); this module turns their exceptions into
+messages a user can act on. It sits above the models (which family a config is) and the data
+(`model.vocab_size=auto`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from podtrain import storage
 from podtrain.axes import AXES, MESH_AXIS_ALIASES
 from podtrain.config.keys import all_keys, leaves
 from podtrain.config.schema import Config
-from podtrain.data.text import data_tokenizer
+from podtrain.data.registry import SOURCES
 from podtrain.data.tokenizer import vocab_for
 from podtrain.errors import ConfigError
 from podtrain.models import MODELS
-from podtrain.program.checks import validate
+from podtrain.program.checks import switches, validate
 from podtrain.program.tasks.registry import train_config
 
 
@@ -133,8 +134,12 @@ def _select(layers: list[Any], name: str):
 
 
 def _choices(defaults: Config, name: str) -> tuple | None:
-    """The values a `Literal` key (or each item of a list of them) allows, or None for another kind of key."""
-    kind = _field_type(defaults, re.sub(r"\[\d+\]$", "", name))
+    """The values a `Literal` key or a key naming a registry's entries (or each item of a list of
+    them) allows, or None for another kind of key."""
+    name = re.sub(r"\[\d+\]$", "", name)
+    if (named := switches().get(name)) is not None:
+        return named
+    kind = _field_type(defaults, name)
     if typing.get_origin(kind) is list:
         kind = typing.get_args(kind)[0]
     return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
@@ -263,19 +268,21 @@ def load_config(
         debug = OmegaConf.create({"model": MODELS[name].debug})
         layers.insert(len(layers) - 1, debug)
     cfg = _merge(defaults, layers)
+    validate(cfg)  # the data's source and path too, before its tokenizer is read
     if auto_vocab:
         cfg.model.vocab_size = auto_vocab_size(cfg)
-    validate(cfg)
     return cfg
 
 
 def auto_vocab_size(cfg: Config) -> int:
     """`model.vocab_size=auto`: the data's tokenizer's vocabulary rounded up to a multiple of 128."""
-    if cfg.data.source == "sudoku":
+    source = SOURCES[cfg.data.source]
+    if source.vocab:
         raise ConfigError(
-            "model.vocab_size=auto reads a tokenizer's vocabulary; Sudoku's is fixed (11), give it as a number."
+            f"model.vocab_size=auto reads a tokenizer's vocabulary; data.source={cfg.data.source} has a fixed one "
+            f"({source.vocab}): give it as a number."
         )
-    return vocab_for(data_tokenizer(cfg.data))
+    return vocab_for(source.tokenizer(cfg.data))
 
 
 def check_structure(data: dict, where: str) -> None:

@@ -1,5 +1,5 @@
-"""The optimizers: AdamW or AdamATan2 with linear warmup, cosine decay and global-norm clipping,
-and the references' sign-SGD for HRM/TRM's puzzle embedding.
+"""The optimizers, by `train.optimizer` (`OPTIMIZERS`): AdamW or AdamATan2, with linear warmup,
+cosine decay and global-norm clipping, and the references' sign-SGD for HRM/TRM's puzzle embedding.
 
 AdamATan2 (Everett et al. 2024, as HRM and TRM train with it, in the `adam-atan2` package's form
 with a = b = 1): Adam whose step is atan2(m_hat, sqrt(v_hat)) instead of m_hat / (sqrt(v_hat) + eps),
@@ -88,14 +88,25 @@ def sign_sgd_rows(lr: optax.Schedule, weight_decay: float) -> optax.GradientTran
     return optax.GradientTransformation(lambda _: SignSgdState(jnp.zeros([], jnp.int32)), update)
 
 
-def main_optimizer(t: TrainConfig, decay_mask) -> optax.GradientTransformation:
-    if t.optimizer == "adamw":
-        return optax.adamw(schedule(t), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask)
+def adamw(t: TrainConfig, decay_mask) -> optax.GradientTransformation:
+    return optax.adamw(schedule(t), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=decay_mask)
+
+
+def adam_atan2(t: TrainConfig, decay_mask) -> optax.GradientTransformation:
     return optax.chain(
         scale_by_adam_atan2(t.beta1, t.beta2),
         optax.add_decayed_weights(t.weight_decay, decay_mask),
         optax.scale_by_learning_rate(schedule(t)),
     )
+
+
+# train.optimizer -> its builder: (the train keys, the decay mask) -> the optimizer of the params
+# (bar a puzzle embedding that sign-SGD trains), on `schedule`
+OPTIMIZERS = {"adamw": adamw, "adam_atan2": adam_atan2}
+
+
+def main_optimizer(t: TrainConfig, decay_mask) -> optax.GradientTransformation:
+    return OPTIMIZERS[t.optimizer](t, decay_mask)
 
 
 def optimizer(t: TrainConfig, decay_mask) -> optax.GradientTransformation:

@@ -21,9 +21,16 @@ def save_config(cfg: Config, path: str | Path) -> None:
     storage.write_text(path, to_yaml(cfg))
 
 
+CONFIG = "config.yaml"  # in a run directory: the config the run trains with
+
+
+def config_file(run_dir: str | Path) -> Path:
+    return storage.path(run_dir) / CONFIG
+
+
 def run_config(run_dir: str | Path) -> Config:
     """The config a run was trained with, from RUN_DIR/config.yaml."""
-    path = storage.path(run_dir) / "config.yaml"
+    path = config_file(run_dir)
     if not path.is_file():
         raise ConfigError(
             f"{run_dir} is not a run directory (no config.yaml); give the run_dir of a `podtrain train` run."
@@ -31,11 +38,15 @@ def run_config(run_dir: str | Path) -> Config:
     return load_config(path)
 
 
-def differences(path: str | Path, cfg: Config) -> list[str]:
-    """'key (old there, new here)' for each key whose value in the config file at `path` differs from cfg's."""
-    old, new = flatten(yaml.safe_load(storage.path(path).read_text()) or {}), flatten(yaml.safe_load(to_yaml(cfg)))
-    return [
+def differences(run_dir: str | Path, cfg: Config, sections: tuple[str, ...] = ("",)) -> str:
+    """'key (old there, new here); ...' for each key of `sections` (prefixes such as "model.") whose
+    value in the run's config.yaml differs from cfg's; empty where the run keeps none."""
+    path = config_file(run_dir)
+    if not path.is_file():
+        return ""
+    old, new = flatten(yaml.safe_load(path.read_text()) or {}), flatten(yaml.safe_load(to_yaml(cfg)))
+    return "; ".join(
         f"{name} ({old.get(name)} there, {new.get(name)} here)"
         for name in sorted(old.keys() | new.keys())
-        if old.get(name) != new.get(name)
-    ]
+        if old.get(name) != new.get(name) and name.startswith(sections)
+    )

@@ -43,7 +43,7 @@ def make_train_step(
         with lora.dropout_key(jax.random.fold_in(key, 1) if cfg_train.lora.dropout else None):
             return loss_fn(model, carry, micro, key)
 
-    def step(state, batch):
+    def train_step(state, batch):
         params, base, n_micro = state["params"], state.get("base"), batch.shape[0]
         keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), state["step"]), n_micro)
 
@@ -72,7 +72,7 @@ def make_train_step(
 
     shardings, batches = shardings_of(abstract_state), batch_sharding(mesh, leading=1)
     jit = {"in_shardings": (shardings, batches), "out_shardings": (shardings, None), "donate_argnums": 0}
-    return sharded_jit(step, mesh, parallelism, **jit)
+    return sharded_jit(train_step, mesh, parallelism, **jit)
 
 
 def _pool(metric) -> jax.Array:

@@ -17,11 +17,14 @@ from typing import Any, Literal
 from podtrain.axes import MESH_AXIS_ALIASES
 from podtrain.config.keys import default_of
 from podtrain.config.schema import Config, ModelConfig, TrainConfig
+from podtrain.data.registry import SOURCES
 from podtrain.interop.hf.families import model_types
 from podtrain.models import MODELS
 from podtrain.models.attention.cores import CORES
+from podtrain.program.checks import switches
 from podtrain.program.load import MOVED
-from podtrain.program.tasks.registry import task_of, train_config
+from podtrain.program.tasks.language import FORMATS
+from podtrain.program.tasks.registry import TASKS, families_of, task_of, train_config
 
 INTRO = """\
 # Configuration
@@ -42,9 +45,8 @@ error naming the key and its values. Flags and `key=value` overrides may come in
 Each model family has its own config, defined beside the model and registered by name
 (`MODELS` in `podtrain/models/__init__.py`): `model.name` picks it, and a key that family does not
 have is an error with the closest key it does have (`model.n_layers` for HRM suggests
-`model.L_layers`). Language models ({language}) train on text and have the `train.seq_len` and
-`train.sample_tokens` keys; puzzle models ({puzzles}) train on `data.source=sudoku` and take
-their length from the data.
+`model.L_layers`). Each family trains on a task (`TASKS` in `podtrain/program/tasks/registry.py`),
+whose keys are in the train section; by task, its families and the data sources it reads: {tasks}.
 
 Flags from the usual setup guides are aliases: `--batch-size`, `--total-steps`, `--mesh-data`,
 `--mesh-fsdp`, `--mesh-tp`, `--checkpoint-dir`, `--checkpoint-interval`, `--log-interval`,
@@ -92,8 +94,6 @@ NOTES = """\
 - `checkpoint.*`: orbax checkpoints.
 - `log.to`, `log.wandb_tags`, `train.profile_steps` take lists: `log.to=[jsonl,tensorboard,wandb]`
   on the command line (no spaces), a YAML list in a file. docs/metrics.md has W&B and profiles.
-- `data.source=text`: `data.path` is a file or folder, tokenized in memory; the last
-  `data.val_fraction` validates. `tokens` shards have their own split.
 """
 
 HEADER = "| key | type | default | valid values | description |\n|---|---|---|---|---|\n"
@@ -145,8 +145,10 @@ def _row(key: str, f: dataclasses.Field, hint: Any, default: str, choices: tuple
 
 
 def _table(cls: type, prefix: str, skip: set[str] = frozenset(), defaults=None, choices=None) -> str:
-    """One row per field of dataclass `cls` not in `skip`; defaults[name] overrides the default shown."""
-    hints, defaults, choices = typing.get_type_hints(cls), defaults or {}, choices or {}
+    """One row per field of dataclass `cls` not in `skip`; defaults[name] overrides the default shown,
+    choices[name] (else the registry's names, for a key that names one's entries) the valid values."""
+    named = {key.removeprefix(prefix): names for key, names in switches().items() if key.startswith(prefix)}
+    hints, defaults, choices = typing.get_type_hints(cls), defaults or {}, named | (choices or {})
     rows = [
         _row(prefix + f.name, f, hints[f.name], defaults.get(f.name, _value(default_of(f))), choices.get(f.name, ()))
         for f in dataclasses.fields(cls)
@@ -180,6 +182,30 @@ def _families_reading(source: str) -> str:
     return ", ".join(f"`{name}`" for name, family in MODELS.items() if source in task_of(family).data_sources)
 
 
+def _data_tables() -> str:
+    """What each data source (podtrain/data/registry.py) and each of the language task's formats reads."""
+    sources = [
+        f"| `{name}` | {f'`{s.path}`, {s.reads}' if s.path else '-'} | {_families_reading(name)} | {_cell(s.doc)} |\n"
+        for name, s in SOURCES.items()
+    ]
+    formats = [
+        f"| `{name}` | {_names(f.sources) or 'each of the task'} | `{f.objective}` | {_cell(f.doc)} |\n"
+        for name, f in FORMATS.items()
+    ]
+    return "".join(
+        [
+            "\n### Data sources\n\n`data.source` is one of `SOURCES` in `podtrain/data/registry.py`, with "
+            "`data.path` naming what this table says, or unset.\n\n",
+            "| source | data.path | families | description |\n|---|---|---|---|\n",
+            *sources,
+            "\n### Data formats\n\n`data.format` is one of the language task's `FORMATS` "
+            "(`podtrain/program/tasks/language.py`).\n\n",
+            "| format | data.source | train.objective | description |\n|---|---|---|---|\n",
+            *formats,
+        ]
+    )
+
+
 def _axis_aliases() -> str:
     """'`model` and `tp` for `tensor`, ...': MESH_AXIS_ALIASES by axis."""
     by_axis: dict[str, list[str]] = {}
@@ -191,8 +217,7 @@ def _axis_aliases() -> str:
 def configuration_page() -> str:
     """The whole of docs/configuration.md."""
     intro = INTRO.format(
-        language=_families_reading("text"),
-        puzzles=_families_reading("sudoku"),
+        tasks="; ".join(f"`{n}` ({_names(families_of(t))}) on {_names(t.data_sources)}" for n, t in TASKS.items()),
         aliases=_axis_aliases(),
         moved=", ".join(f"`{old}` is `{new}`" for old, new in MOVED.items()),
     )
@@ -201,6 +226,7 @@ def configuration_page() -> str:
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]) and f.name not in ("model", "train"):
             parts += [f"\n## {f.name}\n\n", _table(hints[f.name], f"{f.name}.")]
+            parts += [_data_tables()] if f.name == "data" else []
     return "".join(parts + _train_section() + _model_section() + ["\n", NOTES])
 
 
@@ -276,7 +302,7 @@ def _model_section() -> list[str]:
             family_defaults[f.name] = f"{_value(f.default)} ({others})"
     parts += [
         "\n## model\n\n### Keys of every model\n\n",
-        _table(ModelConfig, "model.", defaults=family_defaults, choices={"name": tuple(MODELS)}),
+        _table(ModelConfig, "model.", defaults=family_defaults),
         _cores_table(),
     ]
     for name, family in MODELS.items():

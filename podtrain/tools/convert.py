@@ -7,7 +7,7 @@ import time
 
 import jax.numpy as jnp
 
-from podtrain import storage
+from podtrain import runtime, storage
 from podtrain.config.schema import Config
 from podtrain.data.chat import stop_ids, template_of
 from podtrain.data.tokenizer import GENERATION, keep_tokenizer, load_tokenizer
@@ -18,9 +18,11 @@ from podtrain.interop.hf.config_json import export_family, hf_config, model_keys
 from podtrain.interop.hf.families import FAMILIES, tensor_layout
 from podtrain.program import adapters
 from podtrain.program.load import default_config, load_config
+from podtrain.program.prepare import final
+from podtrain.program.saved import config_file
 from podtrain.program.state import model_fns
 from podtrain.train.checkpoint import Checkpointer
-from podtrain.train.run import Run, on_this_machine
+from podtrain.train.run import Run
 
 IMPORTED = "imported.json"  # RUN_DIR/imported.json: where `convert --from-hf` read the weights, and their dtype
 # An imported model is there to be fine-tuned: a rate and decay that keep what it knows, the user's
@@ -42,7 +44,7 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
     samples from. Returns the config and the seconds spent reading the weights."""
     folder = hf_folder(source)
     run = storage.path(run_dir)
-    if (run / "checkpoints").exists() or (run / "config.yaml").exists():
+    if (run / "checkpoints").exists() or config_file(run).exists():
         raise ConfigError(f"{run_dir} already holds a run; give a new RUN_DIR to convert into.")
     has_tokenizer = (folder / "tokenizer.json").is_file()
     hf = read_hf_config(folder)
@@ -61,7 +63,8 @@ def import_hf(source: str, run_dir: str, overrides: list[str]) -> tuple[Config, 
             *overrides,
         ],
     )
-    rt, resolved = on_this_machine(cfg, announce=False)
+    rt = runtime.start(cfg, announce=False)
+    resolved = final(cfg, rt.platform, rt.mesh, compiles=False)
     fns = model_fns(resolved, rt.mesh)
     start = time.perf_counter()
     table, elsewhere = tensor_layout(hf)

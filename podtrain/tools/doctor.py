@@ -31,17 +31,18 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from podtrain import runtime
 from podtrain.config.parallel import MeshConfig
 from podtrain.config.schema import Config
 from podtrain.errors import ChecksFailed, PodtrainError, first_line
-from podtrain.planning.fit import global_bytes, size
 from podtrain.program.job import Job, build
+from podtrain.program.memory import global_bytes, size
+from podtrain.program.prepare import final
 from podtrain.runtime import devices as devices_lib
 from podtrain.runtime import mesh as mesh_lib
 from podtrain.runtime.chips import device_memory
 from podtrain.train.checkpoint import Checkpointer, location
 from podtrain.train.digest import checksums
-from podtrain.train.run import on_this_machine
 
 STEPS = 3  # train steps on the repeated batch
 
@@ -153,7 +154,8 @@ def train_step(job: Job, cfg: Config, batch, gather: bool) -> tuple[str, tuple]:
 def one_device_update(cfg: Config, batch, before) -> tuple:
     """(params, grad norm) after one step of a one-device copy of the job on the whole batch."""
     one = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=1, tensor=1))
-    job = build(one, mesh_lib.build_mesh(one.mesh, jax.local_devices()[:1]), data=False)
+    mesh = mesh_lib.build_mesh(one.mesh, jax.local_devices()[:1])
+    job = build(final(one, mesh.devices.flat[0].platform, mesh, compiles=False), mesh, data=False)
     state = at_peak_lr(job, one)
     whole = np.asarray(multihost_utils.process_allgather(batch, tiled=True))
     state, metrics = job.step(state, jax.device_put(whole, job.task.train_batch.sharding))
@@ -264,7 +266,8 @@ def all_reduce(mesh: Mesh, repeats: int = 10) -> tuple[str, None]:
 
 
 def doctor(cfg: Config) -> None:
-    rt, cfg = on_this_machine(cfg, announce=False)
+    rt = runtime.start(cfg, announce=False)
+    cfg = final(cfg, rt.platform, rt.mesh, compiles=False)
     results = []
 
     def run(name, fix, fn, *args):

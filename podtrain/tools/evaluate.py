@@ -26,25 +26,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import PercentFormatter  # noqa: E402
+from matplotlib.figure import Figure
+from matplotlib.ticker import PercentFormatter
 
 from podtrain import storage
-from podtrain.data import sudoku  # noqa: E402
-from podtrain.errors import ConfigError  # noqa: E402
-from podtrain.models import MODELS, family  # noqa: E402
-from podtrain.program.state import model_fns  # noqa: E402
-from podtrain.program.tasks.puzzles import score_puzzles  # noqa: E402
-from podtrain.sharding import batch_sharding, data_parallel_size, sharded_jit, shardings_of  # noqa: E402
-from podtrain.train.run import Run  # noqa: E402
+from podtrain.data import sudoku
+from podtrain.errors import ConfigError
+from podtrain.models import family
+from podtrain.program.state import model_fns
+from podtrain.program.tasks.puzzles import PuzzleTask, score_puzzles
+from podtrain.program.tasks.registry import families_of, task_of
+from podtrain.sharding import batch_sharding, data_parallel_size, sharded_jit, shardings_of
+from podtrain.train.run import Run
 
 SCORES = ("cell_accuracy", "exact_accuracy", "act_steps", "loss")  # of score_puzzles, logged as test_*
 PLOT, POOLED = "eval_recursion.png", "eval_recursion_pooled.png"
-PUZZLE_MODELS = ", ".join(name for name, f in MODELS.items() if f.task == "puzzles")
 
 
 @dataclass
@@ -85,10 +82,10 @@ def expand(runs: list[str], seeds: list[int] | None) -> list[str]:
 def open_run(run_dir: str) -> Run:
     """The run, if it trained a puzzle model."""
     run = Run.at(run_dir)
-    if family(run.cfg.model).task != "puzzles":
+    if task_of(family(run.cfg.model)) is not PuzzleTask:
         raise ConfigError(
             f"{run_dir} trained model.name={run.cfg.model.name}, a language model; eval takes a run of a puzzle "
-            f"model ({PUZZLE_MODELS}). For a language model, val_loss is in its metrics.jsonl."
+            f"model ({', '.join(families_of(PuzzleTask))}). For a language model, val_loss is in its metrics.jsonl."
         )
     return run
 
@@ -193,7 +190,8 @@ def pooled_table(results: list[Result]) -> str:
 def plot(results: list[Result], path: Path) -> Path:
     """Cell and exact accuracy against halt_max_steps, a line per run (a star at the value it
     trained with) and, for several runs, their mean and min-max band."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False)
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2, squeeze=False)
     stats = pooled(results)
     for (title, key, _), ax in zip(COLUMNS, axes[0]):
         for r in results:
@@ -218,7 +216,6 @@ def plot(results: list[Result], path: Path) -> Path:
     fig.tight_layout()
     with storage.path(path).open("wb") as f:
         fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
     return path
 
 

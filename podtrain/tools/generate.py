@@ -41,23 +41,38 @@ def chat_prompt(renderer, message: str, system: str | None = None) -> str:
     return renderer([*messages, {"role": "user", "content": message}], generation_prompt=True)
 
 
-def command(args) -> None:
+def generate(
+    run,
+    prompt: str = "",
+    chat: str | None = None,
+    system: str | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    seed: int = 0,
+    cache: bool = True,
+    model: tuple | None = None,
+) -> str:
+    """What `podtrain generate` prints for a `Run`: the prompt and its continuation, or with `chat`
+    the reply alone. `model` is the run's `language_model()`, loaded once for many calls."""
     from podtrain.data.chat import Renderer
     from podtrain.program.tasks.sampling import sample
-    from podtrain.train.run import Run
 
-    if args.chat is not None and args.prompt:
+    if chat is not None and prompt:
         raise ConfigError("Give --prompt TEXT (text to continue) or --chat MESSAGE (a message to reply to), not both.")
-    if args.system is not None and args.chat is None:
+    if system is not None and chat is None:
         raise ConfigError("--system TEXT is a turn of a conversation; give the user's message with --chat MESSAGE.")
-    run = Run.at(args.run_dir)
     tokenizer = run.tokenizer()
     # the template is checked before the weights load
-    prompt = args.prompt if args.chat is None else chat_prompt(Renderer.of(tokenizer), args.chat, args.system)
-    cfg, fns, params = run.language_model()
-    temperature = 0.0 if args.greedy else args.temperature
+    prompt = prompt if chat is None else chat_prompt(Renderer.of(tokenizer), chat, system)
+    cfg, fns, params = model or run.language_model()
     window = cfg.model.max_seq_len  # the model's positions
-    text = sample(
-        fns, params, tokenizer, prompt, args.max_new_tokens, temperature, window, args.seed, not args.no_cache
-    )
-    print(text if args.chat is not None else prompt + text)
+    text = sample(fns, params, tokenizer, prompt, max_new_tokens, temperature, window, seed, cache)
+    return text if chat is not None else prompt + text
+
+
+def command(args) -> None:
+    from podtrain.train.run import Run
+
+    temperature = 0.0 if args.greedy else args.temperature
+    options = {"max_new_tokens": args.max_new_tokens, "seed": args.seed, "cache": not args.no_cache}
+    print(generate(Run.at(args.run_dir), args.prompt, args.chat, args.system, temperature=temperature, **options))

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # not pyplot: a notebook's own backend stays as it is
 
 from podtrain import storage
-from podtrain.errors import DataError  # noqa: E402
-from podtrain.train.metrics import read_metrics  # noqa: E402
+from podtrain.errors import DataError
+from podtrain.train.metrics import read_metrics
 
 PANELS = (
     ("loss", "loss (nats/token)"),
@@ -33,7 +30,8 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
         if not records:
             raise DataError(f"{d} has no metrics.jsonl with records; give the run_dir of a `podtrain train` run.")
     panels = [(key, title) for key, title in PANELS if any(_series(records, key)[0] for records in runs.values())]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    fig = Figure(figsize=(5 * len(panels), 4))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for (key, title), ax in zip(panels, axes[0]):
         for d, records in runs.items():
             name = storage.path(d).name
@@ -50,5 +48,4 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> Path:
     path = storage.path(out) if out else storage.path(run_dirs[0]) / "curves.png"
     with path.open("wb") as f:
         fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
     return path

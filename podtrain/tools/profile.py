@@ -11,26 +11,27 @@ from pathlib import Path
 
 import jax
 
-from podtrain import storage
+from podtrain import runtime, storage
 from podtrain.config.schema import Config
-from podtrain.program.job import build
+from podtrain.program.prepare import prepare
+from podtrain.runtime.chips import device_memory
 from podtrain.train.profile import newest_trace, ops_by_time
-from podtrain.train.run import on_this_machine
 
 
 def profile(cfg: Config, steps: int = 3, top: int = 10) -> Path:
     """Trace `steps` steps and print the `top` ops by time; returns the trace's folder."""
-    rt, cfg = on_this_machine(cfg)
-    job = build(cfg, rt.mesh)
+    rt = runtime.start(cfg)
+    ready = prepare(cfg, rt.platform, rt.mesh, device_memory(rt.devices[0]))
+    job, step = ready.job, ready.step
     state, batches = job.init_state(cfg.seed), job.task.batches
-    state, _ = job.step(state, batches[0])
+    state, _ = step(state, batches[0])
     jax.block_until_ready(state)
     out = storage.join(cfg.run_dir, "profile")
     with storage.staged(out) as folder:
         if rt.is_main:  # one trace file name per host
             jax.profiler.start_trace(str(folder), create_perfetto_trace=True)
         for i in range(1, steps + 1):
-            state, _ = job.step(state, batches[i % len(batches)])
+            state, _ = step(state, batches[i % len(batches)])
         jax.block_until_ready(state)
         if not rt.is_main:
             return out

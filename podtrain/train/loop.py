@@ -7,26 +7,27 @@ from contextlib import closing, nullcontext
 
 import jax
 import numpy as np
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from podtrain import storage
+from podtrain import runtime
 from podtrain.config.schema import Config
 from podtrain.errors import CheckpointError
-from podtrain.planning import fit
+from podtrain.planning import fit, precision
 from podtrain.program import optim
-from podtrain.program.job import Job, build
-from podtrain.program.saved import differences
+from podtrain.program.job import Job
+from podtrain.program.prepare import Prepared, prepare
+from podtrain.program.saved import differences, run_config
 from podtrain.program.state import weights
 from podtrain.runtime import distributed
+from podtrain.runtime.chips import chip_of, device_memory
 from podtrain.train import replica
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 from podtrain.train.goodput import Goodput, summary
 from podtrain.train.hooks import TrainHooks, fmt_metrics
 from podtrain.train.metrics import MetricsLog
 from podtrain.train.preemption import StopRequests
-from podtrain.train.run import Run, on_this_machine, starting_weights
+from podtrain.train.run import Run, starting_weights
 from podtrain.train.trainer import Trainer
 
 
@@ -35,9 +36,8 @@ def resume(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
     alone (a checkpoint `convert` wrote, or train.init_from) a fresh optimizer; else a new state.
     LoRA's checkpoints keep the adapters: the base is read again from train.init_from."""
     state = _resumed(job, checkpointer, cfg, say)
-    if "base" in job.abstract_state and "base" not in state:
-        saved = yaml.safe_load((storage.path(cfg.run_dir) / "config.yaml").read_text())
-        trained_on = saved.get("train", {}).get("init_from")
+    if job.lora and "base" not in state:
+        trained_on = run_config(cfg.run_dir).train.init_from
         if trained_on != cfg.train.init_from:
             raise CheckpointError(
                 f"The adapters in {cfg.checkpoint_dir} were trained on train.init_from={trained_on}, not "
@@ -55,11 +55,8 @@ def _resumed(job: Job, checkpointer: Checkpointer, cfg: Config, say) -> dict:
         try:
             return checkpointer.restore(job.saved_state, set_aside=True, say=say)
         except CheckpointMismatch as e:
-            saved = storage.path(cfg.run_dir) / "config.yaml"
-            changed = (
-                [d for d in differences(saved, cfg) if d.startswith(("model.", "train."))] if saved.is_file() else []
-            )
-            why = f" The run's config.yaml differs from this config in: {'; '.join(changed)}." if changed else ""
+            changed = differences(cfg.run_dir, cfg, ("model.", "train."))
+            why = f" The run's config.yaml differs from this config in: {changed}." if changed else ""
             raise CheckpointError(
                 f"{e}{why} Resume with the config the run was trained with, or use a new run_dir."
             ) from None
@@ -94,37 +91,42 @@ def from_replica(job: Job, checkpointer: Checkpointer, cfg: Config, latest: int 
 def train(cfg: Config) -> dict:
     """Train to cfg.train.steps, resuming from the run's latest checkpoint. Returns the last metrics."""
     goodput = Goodput()
-    rt, cfg = on_this_machine(cfg)
-    job = build(cfg, rt.mesh)
+    rt = runtime.start(cfg)
     with goodput.charge("compile"):
-        memory = fit.check(job, cfg, rt.devices)
-    run = Run.of(cfg)
-    if job.task.tokenizer is not None:
-        run.check_tokenizer(job.task.tokenizer)
+        ready = prepare(cfg, rt.platform, rt.mesh, device_memory(rt.devices[0]))
+    fit.check(ready, rt.devices)
+    run = Run.of(ready.cfg)
+    if ready.job.task.tokenizer is not None:
+        run.check_tokenizer(ready.job.task.tokenizer)
     with run.lock() if rt.is_main else nullcontext(), distributed.peer_loss_in_one_line():  # one job per run dir
-        return _train(cfg, rt, run, job, memory, goodput)
+        return _train(cfg, rt, run, ready, goodput)
 
 
 def _adapted(cfg: Config, job: Job) -> str:
     """What LoRA trains of the model, for the first line of a run."""
-    if not cfg.train.lora.rank:
+    if not job.lora:
         return ""
     lora = cfg.train.lora
     return f" ({job.setup.n_trained / 1e6:.3f}M trained: LoRA rank {lora.rank} on {', '.join(lora.targets)})"
 
 
-def _announce(say, cfg: Config, job: Job, memory: fit.Memory, start: int) -> None:
+def _announce(say, asked: Config, ready: Prepared, chip, start: int) -> None:
     """The run's first lines: the model and its data, the step's memory, what the devices changed."""
+    cfg, job = ready.cfg, ready.job
     t, task = cfg.train, job.task
     begin = f"resuming from step {start}" if start else "from its initial weights" if t.init_from else "from scratch"
     say(
         f"[podtrain] model {cfg.model.name}: {job.setup.fns.n_params / 1e6:.2f}M params{_adapted(cfg, job)}, "
         f"{cfg.model.compute_dtype} compute; {task.summary}; {begin}"
     )
-    say(f"[podtrain] step memory: {memory.summary()}")
-    if job.grad_accum != t.grad_accum:
+    if ready.unroll_by_memory:
+        say(f"[podtrain] model.scan_unroll=auto: {cfg.model.scan_unroll} (by the compiled step's memory)")
+    if said := precision.no_gain(chip, cfg.model.matmul_precision):
+        say(f"[podtrain] model.matmul_precision={cfg.model.matmul_precision}: {said}")
+    say(f"[podtrain] step memory: {ready.memory.summary()}")
+    if t.grad_accum != asked.train.grad_accum:
         say(
-            f"[podtrain] train.grad_accum={job.grad_accum} on these devices (the config says {t.grad_accum}): "
+            f"[podtrain] train.grad_accum={t.grad_accum} on these devices (the config says {asked.train.grad_accum}): "
             f"the batch of {t.batch_size} in microbatches that split over them"
             + (f", at most {t.device_batch} per device" if t.device_batch else "")
         )
@@ -134,7 +136,8 @@ def _announce(say, cfg: Config, job: Job, memory: fit.Memory, start: int) -> Non
         say(f"[podtrain] note: {note}")
 
 
-def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goodput) -> dict:
+def _train(asked: Config, rt, run: Run, ready: Prepared, goodput: Goodput) -> dict:
+    cfg, job, memory = ready.cfg, ready.job, ready.memory
     t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
     checkpointer = run.checkpointer()
@@ -144,7 +147,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
     if rt.is_main:
         run.keep(cfg, task.tokenizer)
     task.start(job.setup.fns, weights(state), run.dir, start)  # before its summary: DPO's reference goes in it
-    _announce(console.print, cfg, job, memory, start)
+    _announce(console.print, asked, ready, chip_of(rt.devices[0]), start)
     if start >= t.steps:
         checkpointer.close()
         console.print(
@@ -164,7 +167,7 @@ def _train(cfg: Config, rt, run: Run, job: Job, memory: fit.Memory, goodput: Goo
         ):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
             hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start, goodput)
-            trainer = Trainer(job.step)
+            trainer = Trainer(ready.step)
             hooks.attach(trainer)
             with distributed.peer_loss_in_one_line():  # before any cleanup: its collectives would not match
                 state = trainer.run(state, goodput.steps(start, log.logged_past, batches), start, t.steps)

@@ -1,5 +1,5 @@
-"""Metrics to the loggers of `log.to`, written by process 0 only: RUN_DIR/metrics.jsonl,
-TensorBoard events in RUN_DIR, and Weights & Biases (podtrain.train.wandb_log).
+"""Metrics to the sinks of `log.to` (podtrain.program.sinks), written by process 0 only:
+RUN_DIR/metrics.jsonl, TensorBoard events in RUN_DIR, and Weights & Biases.
 
 In a bucket, where an object cannot be appended to, these files are written in a local folder
 and copied to RUN_DIR every few seconds, at each checkpoint and at the end (podtrain.storage.Mirror).
@@ -19,39 +19,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 from podtrain import storage
 from podtrain.config.schema import Config
-from podtrain.train.wandb_log import WandbLog
-
-
-class Jsonl:
-    def __init__(self, path: Path, kept: list[str]):
-        path.write_text("".join(kept))
-        self.file = open(path, "a")  # noqa: SIM115 - held open for the run, closed by close()
-
-    def write(self, record: dict, prefix: str) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class TensorBoard:
-    def __init__(self, run_dir: Path, start_step: int):
-        self.writer = _summary_writer(logdir=str(run_dir), purge_step=start_step)
-
-    def write(self, record: dict, prefix: str) -> None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"{prefix}/{key}", value, record["step"])
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+from podtrain.program.sinks import METRICS_FILE, SINKS, Start
 
 
 class MetricsLog:
@@ -61,19 +33,14 @@ class MetricsLog:
         self.logged_past = start_step  # the last step logged before this run resumed at start_step
         if not enabled:
             return
-        self.mirror = storage.Mirror(cfg.run_dir, fetch=("metrics.jsonl", "wandb_id"))
+        self.mirror = storage.Mirror(cfg.run_dir, fetch=(METRICS_FILE, "wandb_id"))
         run_dir = self.mirror.local
-        path = run_dir / "metrics.jsonl"
-        lines = _records(path)
+        lines = _records(run_dir / METRICS_FILE)
         records = [json.loads(line) for line in lines]
         self.logged_past = max([start_step, *(r["step"] for r in records)])
         kept = [line for line, r in zip(lines, records) if r["step"] <= start_step]
-        loggers = {
-            "jsonl": lambda: Jsonl(path, kept),
-            "tensorboard": lambda: TensorBoard(run_dir, start_step),
-            "wandb": lambda: WandbLog(run_dir, cfg),
-        }
-        self.sinks = [loggers[name]() for name in dict.fromkeys(cfg.log.to)]
+        start = Start(run_dir, cfg, start_step, kept)
+        self.sinks = [SINKS[name].open(start) for name in dict.fromkeys(cfg.log.to)]
         self._count_faults(records, start_step)
 
     def _count_faults(self, records: list[dict], start_step: int) -> None:
@@ -112,21 +79,6 @@ class MetricsLog:
             self.mirror.close()
 
 
-def _summary_writer(**kwargs):
-    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch wherever it
-    is installed, only to accept its tensors (podtrain logs floats), and that costs every process
-    seconds at start."""
-    hidden = "torch" not in sys.modules
-    if hidden:
-        sys.modules["torch"] = None  # makes `import torch` raise ImportError, which tensorboardX expects
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        if hidden:
-            del sys.modules["torch"]
-    return SummaryWriter(**kwargs)
-
-
 def _records(path: Path) -> list[str]:
     """The complete lines of a metrics file; a run killed mid-write may have left half of one."""
     lines = path.read_text().splitlines(keepends=True) if path.exists() else []
@@ -141,4 +93,4 @@ def _parses(line: str) -> bool:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    return [json.loads(line) for line in _records(storage.path(run_dir) / "metrics.jsonl")]
+    return [json.loads(line) for line in _records(storage.path(run_dir) / METRICS_FILE)]

@@ -22,27 +22,14 @@ from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, DataError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
-from podtrain.models import MODELS, family, lora
-from podtrain.planning import fit, precision
-from podtrain.program.checks import resolve_auto
-from podtrain.program.saved import differences, run_config, save_config
+from podtrain.models import family, lora
+from podtrain.program.prepare import final
+from podtrain.program.saved import config_file, differences, run_config, save_config
 from podtrain.program.state import ModelFns, model_fns
-from podtrain.runtime.chips import chip_of, device_memory
+from podtrain.program.tasks.language import LanguageTask
+from podtrain.program.tasks.registry import families_of, task_of
 from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
-
-
-def on_this_machine(cfg: Config, announce: bool = True) -> tuple[runtime.Runtime, Config]:
-    """Start the runtime (processes, devices, mesh) and resolve the config's `auto` values for it."""
-    rt = runtime.start(cfg, announce)
-    resolved = resolve_auto(cfg, rt.platform)
-    if resolved.model.scan_unroll == "auto":
-        resolved = fit.choose_unroll(resolved, rt.mesh, device_memory(rt.devices[0]))
-        if announce and rt.is_main:
-            print(f"[podtrain] model.scan_unroll=auto: {resolved.model.scan_unroll} (by the compiled step's memory)")
-    if announce and rt.is_main and (said := precision.no_gain(chip_of(rt.devices[0]), cfg.model.matmul_precision)):
-        print(f"[podtrain] model.matmul_precision={cfg.model.matmul_precision}: {said}")
-    return rt, resolved
 
 
 @dataclass
@@ -64,7 +51,7 @@ class Run:
 
     @property
     def exists(self) -> bool:
-        return (self.dir / "config.yaml").is_file()
+        return config_file(self.dir).is_file()
 
     @property
     def checkpoint_dir(self) -> str:
@@ -98,7 +85,7 @@ class Run:
     def keep(self, cfg: Config, tokenizer=None) -> None:
         """Write config.yaml and a copy of the tokenizer (process 0 only)."""
         storage.makedirs(self.dir)
-        save_config(cfg, self.dir / "config.yaml")
+        save_config(cfg, config_file(self.dir))
         if tokenizer is not None and tokenizer.file:
             keep_tokenizer(tokenizer, self.dir / self.TOKENIZER)
 
@@ -107,7 +94,8 @@ class Run:
         where it kept one), on this machine's devices with the params replicated. A LoRA run's
         weights are its base (train.init_from's, as stored there) with the checkpoint's adapters."""
         cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
-        rt, cfg = on_this_machine(cfg, announce=False)
+        rt = runtime.start(cfg, announce=False)
+        cfg = final(cfg, rt.platform, rt.mesh, compiles=False)
         fns = model_fns(cfg, rt.mesh)
         trained, base = lora.split(fns.abstract_params) if cfg.train.lora.rank else (fns.abstract_params, None)
         checkpointer = Checkpointer(self.checkpoint_dir)
@@ -121,8 +109,8 @@ class Run:
 
     def language_model(self) -> tuple[Config, ModelFns, object]:
         """(config, model functions, weights) of the latest checkpoint, for generate and export."""
-        if family(self.cfg.model).task != "language":
-            language = [name for name, f in MODELS.items() if f.task == "language"]
+        if task_of(family(self.cfg.model)) is not LanguageTask:
+            language = families_of(LanguageTask)
             raise ConfigError(
                 f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
                 f"take a language model ({', '.join(language)})."
@@ -135,17 +123,16 @@ def starting_weights(source: str, abstract_params, cfg: Config):
     """train.init_from: the weights of a podtrain run directory (its EMA where it kept one) or of
     a Hugging Face checkpoint (a folder or a hub name), checked against this config's sizes and
     cast to the dtypes of `abstract_params` (LoRA's base: the compute dtype)."""
-    if (storage.path(source) / "config.yaml").is_file():
+    if config_file(source).is_file():
         checkpointer = Checkpointer(Run.at(source).checkpoint_dir)
         saved = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=s.sharding), abstract_params)
         try:  # a run's weights are float32, its master copy
             weights = checkpointer.restore_weights(saved)[1]
             return jax.tree.map(lambda x, s: x.astype(s.dtype), weights, abstract_params)
         except CheckpointMismatch as e:
-            changed = [d for d in differences(storage.path(source) / "config.yaml", cfg) if d.startswith("model.")]
+            changed = differences(source, cfg, ("model.",)) or "no model key"
             raise CheckpointError(
-                f"train.init_from={source}: {e} Its config differs in: {'; '.join(changed) or 'no model key'}; "
-                "give this run the same model keys."
+                f"train.init_from={source}: {e} Its config differs in: {changed}; give this run the same model keys."
             ) from None
         finally:
             checkpointer.close()

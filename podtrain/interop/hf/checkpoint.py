@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from podtrain import storage
 from podtrain.errors import CheckpointError, ConfigError
+from podtrain.interop.hf.tensors import AS_IS
 from podtrain.trees import leaf_name
 
 INDEX = "model.safetensors.index.json"
@@ -35,13 +36,6 @@ HUB_FILES = [
     "special_tokens_map.json",
 ]
 IGNORED = ("rotary_emb.inv_freq",)  # buffers some older exports carry; recomputed, not learned
-# How a podtrain array is stored in a table entry (name, in_axes[, part]). The name's {i} is the
-# layer and {e} the expert: the array's first axes index them, one tensor each. in_axes k > 0 is a torch
-# Linear weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
-# vector (a bias, a norm's scale) stored as one axis; AS_IS is stored with the array's own shape.
-# Entries that share a name and number their `part` are one fused tensor (Phi-3's qkv_proj), their
-# rows one after another in that order.
-FLAT, AS_IS = 0, None
 # The model's stacks of layers, bottom first (an MoE's dense layers, then its expert layers): a
 # checkpoint numbers its layers {i} through them all.
 STACKS = ("dense_layers", "layers")

@@ -325,13 +325,18 @@ def model_types(model_name: str) -> tuple[str, ...]:
     return tuple(kind for kind, family in FAMILIES.items() if family.model_name == model_name)
 
 
+def known_as() -> str:
+    """Every family's checkpoints by their names on the Hub: 'Llama, SmolLM, ..., Phi-3'."""
+    return ", ".join(f.known_as for f in FAMILIES.values())
+
+
 def family_of(hf: dict, where: str) -> HfFamily:
     kind = hf.get("model_type")
     if kind not in FAMILIES:
         kind = kind or (hf.get("architectures") or ["an unknown architecture"])[0]
         raise ConfigError(
             f"{where} holds a `{kind}` model; podtrain converts model_type {', '.join(FAMILIES)} "
-            f"({', '.join(f.known_as for f in FAMILIES.values())}) and the language model of a multimodal "
+            f"({known_as()}) and the language model of a multimodal "
             f"{', '.join(MULTIMODAL)}."
         )
     return FAMILIES[kind]

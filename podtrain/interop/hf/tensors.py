@@ -1,9 +1,16 @@
 """Each Hugging Face family's tensors by podtrain parameter: the tables `families.py` gives its
-records, read and written by `checkpoint.py`."""
+records, read and written by `checkpoint.py`. Importing nothing, it lets the families table load
+without jax (for the command line's help)."""
 
 from __future__ import annotations
 
-from podtrain.interop.hf.checkpoint import AS_IS, FLAT
+# How a podtrain array is stored in a table entry (name, in_axes[, part]). The name's {i} is the
+# layer and {e} the expert: the array's first axes index them, one tensor each. in_axes k > 0 is a torch
+# Linear weight (out, in) whose input side is the array's first k axes, stored transposed; FLAT is a
+# vector (a bias, a norm's scale) stored as one axis; AS_IS is stored with the array's own shape.
+# Entries that share a name and number their `part` are one fused tensor (Phi-3's qkv_proj), their
+# rows one after another in that order.
+FLAT, AS_IS = 0, None
 
 # podtrain parameter -> (Hugging Face tensor, how it is stored: checkpoint.py). {i} is the layer;
 # a parameter the model does not have (a bias, a q/k norm) is simply not read or written.

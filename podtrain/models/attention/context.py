@@ -1,5 +1,6 @@
 """Attention over a sequence split across devices (context parallelism, mesh axis `context`):
-each device keeps its queries and sees every key, by one of two strategies.
+each device keeps its queries and sees every key, by one of the strategies of `context.strategy`
+(`STRATEGIES`).
 
 - all_gather: the keys and values of every shard are gathered, then attended to at once (MaxText's
   default): one all-gather of K and V per layer forward, a reduce-scatter of their gradients back.
@@ -41,18 +42,21 @@ def context_attention(
 
     def local(q, k, v, positions, *rest):
         segments, window = (rest[0] if packed else None), (rest[-1] if windowed else None)
-        if strategy == "ring":
-            return _ring(q, k, v, positions, segments, window, causal, scale, softcap)
-        k, v, k_positions = (gather(x, "act_seq", axis=1) for x in (k, v, positions))
-        pair = None if segments is None else (segments, gather(segments, "act_seq", axis=1))
-        return grouped_attention(
-            q, k, v, causal, scale, softcap, segments=pair, window=window, q_index=positions, k_index=k_positions
-        )
+        return STRATEGIES[strategy](q, k, v, positions, segments, window, causal, scale, softcap)
 
     window = [jnp.asarray(window, jnp.int32)] if windowed else []
     arrays = [q_BTNH, k_BTKH, v_BTKH, positions] + ([segments] if packed else []) + window
     names = [HEADS, HEADS, HEADS, SEGMENTS] + ([SEGMENTS] if packed else []) + ([()] if windowed else [])
     return per_shard(local, tuple(names), HEADS)(*arrays)
+
+
+def _all_gather(q_BTNH, k_BSKH, v_BSKH, positions, segments, window, causal, scale, softcap):
+    """This shard's queries against every shard's keys and values, gathered."""
+    k, v, k_positions = (gather(x, "act_seq", axis=1) for x in (k_BSKH, v_BSKH, positions))
+    pair = None if segments is None else (segments, gather(segments, "act_seq", axis=1))
+    return grouped_attention(
+        q_BTNH, k, v, causal, scale, softcap, segments=pair, window=window, q_index=positions, k_index=k_positions
+    )
 
 
 def _ring(q_BTNH, k_BSKH, v_BSKH, positions, segments, window, causal, scale, softcap):
@@ -147,3 +151,8 @@ def _fold(state, queries, keys, *, window, causal, softcap):
         return one(None, (state, queries))[1]
     _, state = jax.lax.scan(one, None, jax.tree.map(blocks, (state, queries)))
     return jax.tree.map(whole, state)
+
+
+# context.strategy -> how a shard's queries attend to every shard's keys: (q, k, v, positions,
+# segments, window, causal, scale, softcap) of this shard -> its output
+STRATEGIES = {"all_gather": _all_gather, "ring": _ring}

@@ -1,5 +1,5 @@
 """Pallas's splash attention for TPU, on each shard of the mesh (cuDNN's fused attention is
-jax.nn.dot_product_attention's, called by the attention layer itself)."""
+jax.nn.dot_product_attention's, called by its core in cores.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podtrain.models.attention.cores import sees
+from podtrain.models.attention.xla import sees
 from podtrain.models.layers import HEADS, SEGMENTS
 from podtrain.sharding import gather, per_shard, shards
+
+SPLASH_BLOCK = 128  # the splash-attention kernel's blocks of queries and keys: sequences are whole blocks
 
 
 def splash_attention(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models import ops
-from podtrain.models.attention.kernels import splash_attention
+from podtrain.models.attention import cores
 from podtrain.models.attention.module import ring_places, ring_write
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, RMSNorm, param
@@ -57,7 +57,7 @@ class LatentAttention(nnx.Module):
         rngs: nnx.Rngs,
         interleave: bool = True,
         scale: float | None = None,
-        implementation: str = "xla",
+        implementation: str = cores.PORTABLE,
     ):
         qk = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank:
@@ -72,7 +72,7 @@ class LatentAttention(nnx.Module):
         self.wkv_b = param(rngs, (kv_lora_rank, n_heads, width), ("latent", "heads", "head_dim"), std)
         self.wo = param(rngs, (n_heads, v_head_dim, d_model), ("heads", "head_dim", "embed"), out_std)
         self.dtype, self.interleave, self.scale = dtype, interleave, scale or qk**-0.5
-        self.nope, self.rank, self.implementation = qk_nope_head_dim, kv_lora_rank, implementation
+        self.nope, self.rank, self.core = qk_nope_head_dim, kv_lora_rank, cores.named(implementation)
 
     def rotate(self, x: jax.Array, rope) -> jax.Array:
         """x (batch, seq, heads, rope dims) rotated by position, from interleaved pairs if so laid out."""
@@ -109,11 +109,7 @@ class LatentAttention(nnx.Module):
         kv = constrain(ops.dot("btc,cnh->btnh", c[..., : self.rank], self.wkv_b[...], self.dtype), HEADS)
         k_rope = jnp.broadcast_to(c[:, :, None, self.rank :], (*kv.shape[:3], c.shape[-1] - self.rank))
         q, k = jnp.concatenate([q_nope, q_rope], axis=-1), jnp.concatenate([kv[..., : self.nope], k_rope], axis=-1)
-        if self.implementation == "splash":
-            out = splash_attention(q, k, kv[..., self.nope :], True, scale=self.scale, segments=segments)
-        else:
-            pair = None if segments is None else (segments, segments)
-            out = grouped_attention(q, k, kv[..., self.nope :], True, self.scale, segments=pair, window=window)
+        out = self.core.run(q, k, kv[..., self.nope :], causal=True, scale=self.scale, segments=segments, window=window)
         return self.output(constrain(out, HEADS))
 
     def decode(self, x_BTD: jax.Array, rope, cache: tuple[jax.Array], start, window=None, valid=None):

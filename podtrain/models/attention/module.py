@@ -1,21 +1,18 @@
-"""The attention layer: projections to heads and back, rotary positions, the implementation the
-config names (or context-parallel attention when the sequence is split), a key/value cache."""
+"""The attention layer: projections to heads and back, rotary positions, the core the config
+names (attention/cores.py, which attends across a split sequence too), a key/value cache."""
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from podtrain.models import lora, ops
-from podtrain.models.attention.context import context_attention
-from podtrain.models.attention.kernels import splash_attention
+from podtrain.models.attention import cores
 from podtrain.models.attention.xla import grouped_attention
 from podtrain.models.layers import ACT, HEADS, KV_HEADS, RMSNorm, param
 from podtrain.models.rope import apply_rope
-from podtrain.sharding import constrain, context_order, context_strategy, positions_of, shards
+from podtrain.sharding import constrain, context_order, shards
 
 
 class Attention(nnx.Module):
@@ -65,7 +62,7 @@ class Attention(nnx.Module):
         self.dtype, self.bias, self.qk_norm = dtype, bias, qk_norm
         self.scale, self.softcap = scale or head_dim**-0.5, softcap
         self.windows = windows  # the layers' distinct sliding windows (0: none), for kernels that need them static
-        self.implementation = None if implementation == "auto" else implementation
+        self.core = cores.named(implementation)
         self.causal = causal
 
     def project(self, x_BTD: jax.Array, rope, share_kv: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -113,34 +110,6 @@ class Attention(nnx.Module):
             return y
         return constrain(y + (jnp.repeat(term, copies, axis=2) if copies > 1 else term), axes)
 
-    def by_window(self, kernel, window, *args) -> jax.Array:
-        """A kernel whose window is static (`kernel(w)` -> a function of q, k, v) on this layer's
-        window: a stack whose layers differ in window runs the kernel of each (lax.switch on the
-        layer's own)."""
-        kernels = [kernel(w) for w in (self.windows if window is not None else (0,))]
-        if len(kernels) == 1:
-            return kernels[0](*args)
-        return jax.lax.switch(jnp.argmax(jnp.asarray(self.windows) == window), kernels, *args)
-
-    def splash(self, q, k, v, segments, window, order=None) -> jax.Array:
-        def kernel(w):
-            run = partial(splash_attention, causal=self.causal, scale=self.scale, softcap=self.softcap, window=w)
-            return partial(run, order=order, segments=segments)
-
-        return self.by_window(kernel, window, q, k, v)
-
-    def cudnn(self, q, k, v, window) -> jax.Array:
-        """cuDNN's fused attention: no segments or soft-caps (program/checks.py refuses them); a
-        window w is its local_window_size (w - 1 keys before the query)."""
-
-        def kernel(w):
-            sight = {"local_window_size": (w - 1, 0)} if w else {}
-            return partial(
-                jax.nn.dot_product_attention, scale=self.scale, is_causal=self.causal, implementation="cudnn", **sight
-            )
-
-        return self.by_window(kernel, window, q, k, v)
-
     def output(self, out_BTNH: jax.Array) -> jax.Array:
         out = ops.dot("btnh,nhd->btd", out_BTNH, self.wo[...], self.dtype)
         if (term := lora.low_rank(self, "wo", out_BTNH, self.dtype)) is not None:
@@ -157,29 +126,19 @@ class Attention(nnx.Module):
         Megatron's layout: q, k, v column-parallel and the output row-parallel over heads, so that
         tensor parallelism costs one all-reduce of (batch, seq, d_model) forward and one backward."""
         q, k, v = self.project(x_BTD, rope)
-        order = context_order(x_BTD.shape[1])
-        if self.implementation == "splash":
-            out = self.splash(q, k, v, segments, window, order)
-        elif order is not None:
-            if positions is None:  # in order: a caller that is not causal (the puzzles' models) needs no other
-                positions = positions_of(x_BTD.shape)
-            out = context_attention(
-                q,
-                k,
-                v,
-                positions,
-                segments,
-                window,
-                strategy=context_strategy(),
-                causal=self.causal,
-                scale=self.scale,
-                softcap=self.softcap,
-            )
-        elif self.implementation == "cudnn":
-            out = self.cudnn(q, k, v, window)
-        else:
-            pair = None if segments is None else (segments, segments)
-            out = grouped_attention(q, k, v, self.causal, self.scale, self.softcap, segments=pair, window=window)
+        out = self.core.run(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            scale=self.scale,
+            softcap=self.softcap,
+            segments=segments,
+            window=window,
+            windows=self.windows,
+            order=context_order(x_BTD.shape[1]),
+            positions=positions,
+        )
         return self.output(constrain(out, HEADS))
 
     def decode(

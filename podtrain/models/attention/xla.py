@@ -8,13 +8,21 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from podtrain.models.attention.cores import sees
-
 # Causal attention runs in this many blocks of queries, each reading only the keys up to its last
 # query: 9/16 of the full score matrix is computed, and each block's scores are small enough to stay
 # in cache between the softmax's passes (on 2 CPU cores, 8 blocks take ~0.6x the time of one).
 CAUSAL_BLOCKS = 8
 MIN_BLOCK = 32  # queries: a smaller block saves nothing worth its compile time
+
+
+def sees(q_at, k_at, causal: bool, window=None):
+    """Whether a query at place q_at sees a key at k_at (numpy or jax arrays that broadcast): a
+    key at or before it when `causal` (else any key), within `window` places of it on either
+    side it sees (None, 0 or less: no window). Every core asks this rule."""
+    ok = k_at <= q_at if causal else (k_at <= q_at) | (k_at > q_at)
+    if window is None:
+        return ok
+    return ok & (((q_at - k_at < window) & (k_at - q_at < window)) | (window <= 0))
 
 
 def causal_blocks(t: int) -> int:

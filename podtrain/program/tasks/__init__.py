@@ -11,8 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from podtrain.config.schema import TrainConfig
-from podtrain.data.loader import BatchReader
+import jax
+import numpy as np
+from podtrain.config.schema import Config, TrainConfig
+from podtrain.data.loader import BatchReader, in_order, shuffled
+from podtrain.data.registry import SOURCES
+from podtrain.sharding import batch_sharding
+
+
+class _Sources:
+    """`Task.data_sources`: the values of data.source whose record (podtrain.data.registry) names the task."""
+
+    def __get__(self, task, cls) -> tuple[str, ...]:
+        return tuple(name for name, source in SOURCES.items() if source.task == cls.name)
 
 
 class Task:
@@ -36,8 +47,9 @@ class Task:
     # eval_fn(model, batch) -> {metric: mean over the batch}
     eval_fn: Callable
 
+    name: str  # its name in podtrain.program.tasks.registry.TASKS, which model families and data sources give
     train_config: type[TrainConfig] = TrainConfig  # the task's keys under `train.`
-    data_sources: tuple[str, ...] = ()  # the values of data.source it reads
+    data_sources = _Sources()  # the values of data.source it reads
     train_batch: Any  # jax.ShapeDtypeStruct
     summary: str
     batches: BatchReader
@@ -58,3 +70,30 @@ class Task:
     def finish(self, fns, params) -> Any:
         """What to show at the end of training (a sample of text), or None."""
         return None
+
+
+def padded(rows: np.ndarray, size: int) -> np.ndarray:
+    """`rows`, then rows of zeros (which train no token) to a whole number of batches of `size`."""
+    return np.concatenate([rows, np.zeros((-len(rows) % size, *rows.shape[1:]), rows.dtype)])
+
+
+def row_readers(
+    train: np.ndarray, held_out: np.ndarray, train_batch: jax.ShapeDtypeStruct, mesh, cfg: Config
+) -> tuple[BatchReader, BatchReader]:
+    """A task's readers of rows in memory: the train rows shuffled each epoch into batches laid out
+    like `train_batch`, and the first train.eval_batches whole batches of the held-out rows, in order."""
+    t = cfg.train
+    batches = BatchReader(
+        shuffled(len(train), cfg.seed, train.__getitem__),
+        train_batch.sharding,
+        train_batch.shape,
+        axis=1,
+        epoch_size=len(train),
+    )
+    eval_batches = BatchReader(
+        in_order(len(held_out), t.batch_size, t.eval_batches, held_out.__getitem__),
+        batch_sharding(mesh),
+        (t.batch_size, *held_out.shape[1:]),
+        axis=0,
+    )
+    return batches, eval_batches

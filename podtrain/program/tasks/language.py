@@ -3,21 +3,20 @@ chat fine-tuning on the assistant's tokens; preference tuning (DPO, tasks/prefer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from podtrain.config.keys import key
 from podtrain.config.schema import Config, TrainConfig
 from podtrain.data import chat, pairs
-from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, in_order, shuffled, train_windows
-from podtrain.data.text import data_tokenizer, load_tokens, max_token_id
+from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, train_windows
+from podtrain.data.registry import SOURCES, Format
 from podtrain.errors import ConfigError, DataError
-from podtrain.program.tasks import Task, preference
+from podtrain.program.tasks import Task, padded, preference, row_readers
 from podtrain.program.tasks.sampling import sample
 from podtrain.sharding import batch_sharding, context_order, positions_of, reordered
 
@@ -27,7 +26,7 @@ class TextTrainConfig(TrainConfig):
     """Language modelling: the window length, the objective and the closing sample."""
 
     seq_len: int = key(256, "tokens per training window", ">= 1")
-    objective: Literal["lm", "dpo"] = key(
+    objective: str = key(
         "lm",
         "lm: next-token cross entropy; dpo: preference tuning (DPO) on data.format=pairs, the reference being the "
         "starting weights",
@@ -195,57 +194,42 @@ def chat_validation_loss(model, rows: jax.Array, reset_positions: bool = False) 
 
 
 class LanguageTask(Task):
+    name = "language"
     train_config = TextTrainConfig
-    data_sources = ("pydoc", "text", "tokens")
     loss_fn = staticmethod(next_token_loss)
     eval_fn = staticmethod(validation_loss)
     preferences: preference.Preferences | None = None  # data.format=pairs
+    prompt: chat.Renderer | None = None  # a format of conversations: its template, which the closing sample takes
 
     def __init__(self, cfg: Config, mesh: Mesh, data: bool = True):
-        t = cfg.train
-        self.cfg, self.positions = cfg, t.seq_len
+        t, form = cfg.train, FORMATS[cfg.data.format]
+        self.cfg, self.positions = cfg, form.sequences * t.seq_len
         if t.seq_len % (2 * mesh.shape["context"]):
             raise ConfigError(
                 f"train.seq_len={t.seq_len} does not split into 2 x {mesh.shape['context']} equal chunks, one pair per "
                 f"context shard (mesh.context={mesh.shape['context']}); make it a multiple of "
                 f"{2 * mesh.shape['context']}."
             )
-        rows = {"chat": (3, t.seq_len + 1), "pairs": (2, 3, t.seq_len + 1)}  # their channels: data/chat.py, pairs.py
-        row = rows.get(cfg.data.format, (t.seq_len + 1,))
         self.train_batch = jax.ShapeDtypeStruct(
-            (t.grad_accum, t.batch_size // t.grad_accum, *row), jnp.int32, sharding=batch_sharding(mesh, leading=1)
+            (t.grad_accum, t.batch_size // t.grad_accum, *form.channels, t.seq_len + 1),
+            jnp.int32,
+            sharding=batch_sharding(mesh, leading=1),
         )
-        reset = cfg.data.reset_positions
-        if cfg.data.format == "chat":
-            self.loss_fn, self.eval_fn = (
-                partial(fn, reset_positions=reset) for fn in (chat_loss, chat_validation_loss)
-            )
-        elif cfg.data.format == "pairs":
-            self.positions = 2 * t.seq_len  # a pair trains two sequences, its chosen and its rejected reply
-            self.loss_fn, self.eval_fn = (
-                partial(fn, log_probs=reply_log_probs, beta=t.dpo_beta)
-                for fn in (preference.dpo_loss, preference.dpo_validation)
-            )
-        if not data:  # shapes only: keeping documents apart costs the same whichever id ends one
-            if cfg.data.pack == "documents" and cfg.data.format == "text":
-                self.loss_fn = partial(next_token_loss, eos_id=0, reset_positions=reset)
+        if form.losses is not None:
+            self.loss_fn, self.eval_fn = form.losses(cfg)
+        elif not data and cfg.data.pack == "documents":  # shapes only: the cost is the same whichever id ends one
+            self.loss_fn = partial(next_token_loss, eos_id=0, reset_positions=cfg.data.reset_positions)
+        if not data:
             return
-        self.tokenizer = data_tokenizer(cfg.data)
-        largest = max_token_id(cfg.data, self.tokenizer)
+        source = SOURCES[cfg.data.source]
+        self.tokenizer = source.tokenizer(cfg.data)
+        largest = source.max_id(cfg.data, self.tokenizer)
         if cfg.model.vocab_size <= largest:
             raise DataError(
                 f"The data holds token ids up to {largest} (tokenizer {self.tokenizer.spec}), out of range for "
                 f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size=auto or a number above {largest}."
             )
-        if cfg.data.format == "chat":
-            return self._read_chat(mesh)
-        if cfg.data.format == "pairs":
-            self.preferences = preference.Preferences(cfg, mesh, self.tokenizer, self.train_batch, reply_log_probs)
-            self.summary = f"{self.preferences.summary} ({self.tokenizer.spec})"
-            self.batches, self.eval_batches = self.preferences.batches, self.preferences.eval_batches
-            self.prompt = chat.Renderer.of(self.tokenizer)
-            return
-        self._read_text(mesh)
+        form.read(self, mesh)
 
     def _read_text(self, mesh: Mesh) -> None:
         """Windows of documents packed in order (kept apart by their EOS with data.pack=documents)."""
@@ -260,7 +244,7 @@ class LanguageTask(Task):
                 partial(fn, eos_id=self.tokenizer.eos_id, reset_positions=cfg.data.reset_positions)
                 for fn in (next_token_loss, validation_loss)
             )
-        train_tokens, val_tokens = load_tokens(cfg.data, self.tokenizer)
+        train_tokens, val_tokens = SOURCES[cfg.data.source].tokens(cfg.data, self.tokenizer)
         windows, n = train_windows(train_tokens, t.seq_len, t.batch_size, cfg.seed)
         self.summary = (
             f"{len(train_tokens):,} train / {len(val_tokens):,} val tokens ({self.tokenizer.spec}); "
@@ -291,20 +275,16 @@ class LanguageTask(Task):
                 f"train.batch_size={t.batch_size}; use more conversations, a smaller train.batch_size or seq_len."
             )
         self.summary = f"{summary} ({self.tokenizer.spec}); an epoch is {len(train) // t.batch_size:,} steps"
-        self.batches = BatchReader(
-            shuffled(len(train), self.cfg.seed, train.__getitem__),
-            self.train_batch.sharding,
-            self.train_batch.shape,
-            axis=1,
-            epoch_size=len(train),
+        self.batches, self.eval_batches = row_readers(
+            train, padded(val, t.batch_size), self.train_batch, mesh, self.cfg
         )
-        val = np.concatenate([val, np.zeros((-len(val) % t.batch_size, *val.shape[1:]), val.dtype)])
-        self.eval_batches = BatchReader(
-            in_order(len(val), t.batch_size, t.eval_batches, val.__getitem__),
-            batch_sharding(mesh),
-            (t.batch_size, *val.shape[1:]),
-            axis=0,
-        )
+        self.prompt = chat.Renderer.of(self.tokenizer)
+
+    def _read_pairs(self, mesh: Mesh) -> None:
+        """Preference pairs (data/pairs.py), whose rows `start` gives the reference's log-probabilities."""
+        self.preferences = preference.Preferences(self.cfg, mesh, self.tokenizer, self.train_batch, reply_log_probs)
+        self.summary = f"{self.preferences.summary} ({self.tokenizer.spec})"
+        self.batches, self.eval_batches = self.preferences.batches, self.preferences.eval_batches
         self.prompt = chat.Renderer.of(self.tokenizer)
 
     def start(self, fns, params, run_dir, step: int) -> None:
@@ -313,12 +293,53 @@ class LanguageTask(Task):
             self.summary += "; " + self.preferences.start(fns, params, run_dir, step)
 
     def finish(self, fns, params) -> str | None:
-        """A sample of text, run on every process: the params span them all. For chat, the reply
-        to a greeting."""
+        """A sample of text, run on every process: the params span them all. For conversations, the
+        reply to a greeting."""
         t = self.cfg.train
         if not t.sample_tokens:
             return None
-        if self.cfg.data.format in ("chat", "pairs"):
+        if self.prompt is not None:
             prompt = self.prompt([{"role": "user", "content": "Hello! Who are you?"}], generation_prompt=True)
             return prompt + sample(fns, params, self.tokenizer, prompt, t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
         return "The " + sample(fns, params, self.tokenizer, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
+
+
+def _chat_losses(cfg: Config) -> tuple[Callable, Callable]:
+    reset = cfg.data.reset_positions
+    return partial(chat_loss, reset_positions=reset), partial(chat_validation_loss, reset_positions=reset)
+
+
+def _dpo_losses(cfg: Config) -> tuple[Callable, Callable]:
+    beta = cfg.train.dpo_beta
+    return tuple(
+        partial(fn, log_probs=reply_log_probs, beta=beta) for fn in (preference.dpo_loss, preference.dpo_validation)
+    )
+
+
+# The values of data.format (each a podtrain.data.registry.Format), which the checks and the docs read too.
+FORMATS: dict[str, Format] = {
+    "text": Format(
+        "documents to model whole, packed by data.pack", "documents to model whole", LanguageTask._read_text
+    ),
+    "chat": Format(
+        'conversations, a JSONL line each ({"messages": [{role, content}]}), rendered with the tokenizer\'s chat '
+        "template, trained on the assistant's tokens only, packed apart",
+        "conversations from a JSONL file or folder",
+        LanguageTask._read_chat,
+        channels=(3,),  # their channels: data/chat.py
+        sources=("text",),
+        apart=True,
+        path_on_read=True,  # an imported run's config leaves them to set
+        losses=_chat_losses,
+    ),
+    "pairs": Format(
+        'preference pairs, a JSONL line and a row each ({"prompt" or "messages", "chosen", "rejected"})',
+        "preference pairs from a JSONL file or folder",
+        LanguageTask._read_pairs,
+        channels=(2, 3),  # data/pairs.py
+        sequences=2,  # its chosen and its rejected reply
+        sources=("text",),
+        objective="dpo",
+        losses=_dpo_losses,
+    ),
+}

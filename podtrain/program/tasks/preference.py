@@ -29,8 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from podtrain import storage
 from podtrain.config.schema import Config
 from podtrain.data import pairs
-from podtrain.data.loader import BatchReader, in_order, shuffled
+from podtrain.data.loader import BatchReader, in_order
 from podtrain.errors import CheckpointError, DataError
+from podtrain.program.tasks import padded, row_readers
 from podtrain.sharding import Parallelism, batch_sharding, sharded_jit, shardings_of
 
 REFERENCE_FILE = "dpo_reference.npz"
@@ -94,23 +95,11 @@ class Preferences:
                 "train.batch_size, or a larger train.seq_len."
             )
         self.summary += f"; an epoch is {len(self.train) // t.batch_size:,} steps"
-        self.batches = BatchReader(
-            shuffled(len(self.train), cfg.seed, self.train.__getitem__),
-            train_batch.sharding,
-            train_batch.shape,
-            axis=1,
-            epoch_size=len(self.train),
-        )
         # Held out: padded with rows of no trained token to whole batches; `val` is a view, so the
         # references written into it reach the padded rows read.
-        padded = np.concatenate([val, np.zeros((-len(val) % t.batch_size, *val.shape[1:]), np.int32)])
-        self.val = padded[: len(val)]
-        self.eval_batches = BatchReader(
-            in_order(len(padded), t.batch_size, t.eval_batches, padded.__getitem__),
-            batch_sharding(mesh),
-            (t.batch_size, *val.shape[1:]),
-            axis=0,
-        )
+        held_out = padded(val, t.batch_size)
+        self.val = held_out[: len(val)]
+        self.batches, self.eval_batches = row_readers(self.train, held_out, train_batch, mesh, cfg)
 
     def digest(self) -> str:
         """The pairs' tokens and trained marks: what the kept references were computed on."""
@@ -156,9 +145,8 @@ class Preferences:
     def _reference(self, fns, params) -> tuple[np.ndarray, np.ndarray]:
         """The replies' summed log-probabilities (pairs, 2) under `params`, of the train and the held-out
         pairs, on the mesh: every process runs the same batches and gets all the values."""
-        rows = np.concatenate([self.train, self.val])
         size = self.cfg.train.batch_size
-        rows = np.concatenate([rows, np.zeros((-len(rows) % size, *rows.shape[1:]), np.int32)])
+        rows = padded(np.concatenate([self.train, self.val]), size)
         reader = BatchReader(
             in_order(len(rows), size, len(rows) // size, rows.__getitem__),
             batch_sharding(self.mesh),

@@ -33,9 +33,8 @@ import optax
 from jax.sharding import Mesh
 from podtrain.config.schema import Config
 from podtrain.data import sudoku
-from podtrain.data.loader import BatchReader, in_order, shuffled
 from podtrain.errors import ConfigError, DataError
-from podtrain.program.tasks import Task
+from podtrain.program.tasks import Task, row_readers
 from podtrain.sharding import batch_sharding, shardings_of
 
 CELLS = 81
@@ -146,7 +145,7 @@ def evaluate_puzzles(model, rows: jax.Array) -> dict:
 class PuzzleTask(Task):
     """Sudoku puzzles for a recursive reasoner, with the ACT carry of every batch slot."""
 
-    data_sources = ("sudoku",)
+    name = "puzzles"
     loss_fn = staticmethod(act_loss)
     eval_fn = staticmethod(evaluate_puzzles)
 
@@ -185,20 +184,7 @@ class PuzzleTask(Task):
             f"{len(train_set.inputs):,} train / {len(test_set.inputs):,} test puzzles (copy-the-givens cell "
             f"accuracy {test_set.copy_baseline():.1%})"
         )
-        train_rows, test_rows = train_set.rows(), test_set.rows()
-        self.batches = BatchReader(
-            shuffled(len(train_rows), cfg.seed, train_rows.__getitem__),
-            sharding,
-            self.train_batch.shape,
-            axis=1,
-            epoch_size=len(train_rows),
-        )
-        self.eval_batches = BatchReader(
-            in_order(len(test_rows), t.batch_size, t.eval_batches, test_rows.__getitem__),
-            batch_sharding(mesh),
-            (t.batch_size, test_rows.shape[1]),
-            axis=0,
-        )
+        self.batches, self.eval_batches = row_readers(train_set.rows(), test_set.rows(), self.train_batch, mesh, cfg)
 
     def initial_carry(self) -> dict:
         """Every slot halted, so step 0 fills all of them from its batch."""

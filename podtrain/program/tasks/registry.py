@@ -1,19 +1,31 @@
-"""The tasks by the name a model family's record gives (`Family.task`), so that models import
-nothing of training."""
+"""The tasks by the name a model family's record gives (`Family.task`), and a data source's
+(`Source.task`), so that models and data import nothing of training."""
 
 from __future__ import annotations
 
 from podtrain.config.schema import TrainConfig
+from podtrain.errors import ConfigError
+from podtrain.models import MODELS
 from podtrain.models.family import Family
 from podtrain.program.tasks import Task
 from podtrain.program.tasks.language import LanguageTask
 from podtrain.program.tasks.puzzles import PuzzleTask
 
-TASKS: dict[str, type[Task]] = {"language": LanguageTask, "puzzles": PuzzleTask}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LanguageTask, PuzzleTask)}
 
 
 def task_of(record: Family) -> type[Task]:
+    if record.task not in TASKS:
+        raise ConfigError(
+            f"model.name={record.name} trains on the task {record.task!r}, which is not registered; its record "
+            f"(Family.task) must name one of: {', '.join(TASKS)}."
+        )
     return TASKS[record.task]
+
+
+def families_of(task: type[Task]) -> list[str]:
+    """The model families that train on `task`, by name."""
+    return [name for name, record in MODELS.items() if task_of(record) is task]
 
 
 def train_config(record: Family) -> type[TrainConfig]:
