@@ -42,6 +42,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.integration
 def test_without_a_launcher_the_others_stop_within_30_s_asking_for_a_restart(tmp_path):
     """4 processes started one by one, as a scheduler starts them; one SIGKILLed mid-training."""
     port, lost = free_port(), random.Random().choice([1, 2, 3])

@@ -47,7 +47,13 @@ TWO_STAGES = ["mesh.dcn_stage=2", "mesh.data=1", "mesh.fsdp=4"]  # a pipeline st
             2, 4, ONE_MESH, "mesh data=1 stage=1 fsdp=4 context=1 expert=1 tensor=2", marks=pytest.mark.integration
         ),
         (2, 4, TWO_SLICES, "mesh data=2x1 stage=1 fsdp=2 context=1 expert=1 tensor=2 on 2 slices of 4 devices"),
-        (2, 4, TWO_STAGES, "mesh data=1 stage=2x1 fsdp=4 context=1 expert=1 tensor=1 on 2 slices of 4 devices"),
+        pytest.param(
+            2,
+            4,
+            TWO_STAGES,
+            "mesh data=1 stage=2x1 fsdp=4 context=1 expert=1 tensor=1 on 2 slices of 4 devices",
+            marks=pytest.mark.integration,
+        ),
     ],
 )
 def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh, status):
@@ -93,7 +99,7 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh, status):
     assert printed == expected.splitlines()[0]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.integration)])
 def test_each_process_reads_its_own_rows(tmp_path, nproc):
     """Over 3 steps of a (2,2,2) mesh: every window once, none twice, an equal share each."""
     done = subprocess.run(

@@ -1,7 +1,7 @@
 """notebooks/quickstart.ipynb runs to its end in a Jupyter kernel of this interpreter (the venv's),
 from notebooks/ as Jupyter starts it: the tiny recipe trains and its loss falls, the v6e-8 plan
 fits, the run generates text. The kernel has the tests' environment but a notebook user's XLA:
-one CPU device and optimised compiles (the 30 steps take a quarter of the time on 8 fake devices,
+one CPU device and optimised compiles (the 15 steps take a quarter of the time on 8 fake devices,
 and run 3-4x slower compiled as the tests compile)."""
 
 import json

@@ -86,6 +86,7 @@ def _plan(path: str, target: str, *overrides: str) -> plan.Plan:
     return plan.plan(load_config(path, list(overrides)), hardware.target(target))
 
 
+@pytest.mark.integration
 @needs_cuda_compiler
 def test_an_fp8_gpu_plan_multiplies_the_layers_in_fp8_at_the_fp8_rate():
     bf16 = _plan("configs/tiny.yaml", "h100", "model.scan_unroll=1")
@@ -115,6 +116,7 @@ def test_an_int8_tpu_plan_multiplies_in_int8_at_the_int8_rate():
     assert "int8 matmuls run no faster than bf16 on the TPU v4" in said
 
 
+@pytest.mark.integration
 @needs_cuda_compiler
 def test_remat_saves_memory_with_the_layers_unrolled():
     """jax.checkpoint's recomputation survives unrolling (without CSE's guard XLA merged it back

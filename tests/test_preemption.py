@@ -53,6 +53,7 @@ def _stopped_step(output: str) -> int:
     return int(re.search(r"stopped after step (\d+) and saved its checkpoint", output)[1])
 
 
+@pytest.mark.integration
 def test_sigterm_saves_the_step_it_stopped_at_and_the_rerun_continues(tmp_path):
     run = tmp_path / "run"
     process = _start(["train", *ENDLESS, f"run_dir={run}"])
