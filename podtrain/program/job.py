@@ -65,6 +65,13 @@ def accumulation(cfg: Config, dp: int, pipelined: int = 1) -> int:
     return fits[0]
 
 
+def on_mesh(cfg: Config, mesh) -> int:
+    """`accumulation` on `mesh`: its data-parallel devices and, over a stage axis, its pipeline's microbatches."""
+    stages = mesh.shape["stage"]
+    pipelined = microbatches_over(stages, cfg.pipeline.microbatches) if stages > 1 else 1
+    return accumulation(cfg, data_parallel_size(mesh), pipelined)
+
+
 @dataclass
 class Job:
     """A model's task compiled on a mesh: the state's layout and first value, the steps, the rates."""
@@ -111,9 +118,7 @@ class Job:
 def build(cfg: Config, mesh, data: bool = True) -> Job:
     """The model, its optimizer and its task (text for language models, puzzles for reasoners) on
     `mesh`; with data=False the task knows its batches' shapes but reads nothing."""
-    stages = mesh.shape["stage"]
-    pipelined = microbatches_over(stages, cfg.pipeline.microbatches) if stages > 1 else 1
-    if accumulation(cfg, data_parallel_size(mesh), pipelined) != cfg.train.grad_accum:
+    if on_mesh(cfg, mesh) != cfg.train.grad_accum:
         raise ValueError("build takes a config made final for its mesh: podtrain.program.prepare.final")
     record = family(cfg.model)
     if data and SOURCES[cfg.data.source].task != record.task:

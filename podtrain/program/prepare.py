@@ -17,9 +17,8 @@ from typing import Any
 from podtrain.config.schema import Config
 from podtrain.models import family
 from podtrain.program.checks import changed, resolve_auto
-from podtrain.program.job import Job, accumulation, build
+from podtrain.program.job import Job, build, on_mesh
 from podtrain.program.memory import Memory, measure
-from podtrain.sharding import data_parallel_size, microbatches_over
 
 UNROLLED_SHARE = 0.9  # of a device's memory that `scan_unroll=auto` lets an unrolled step take
 
@@ -48,10 +47,7 @@ def final(cfg: Config, platform: str, mesh, compiles: bool = True) -> Config:
     cfg = resolve_auto(cfg, platform)
     if cfg.model.scan_unroll == "auto" and not compiles:
         cfg = changed(cfg, {"model.scan_unroll": 1})
-    stages = mesh.shape["stage"]
-    pipelined = microbatches_over(stages, cfg.pipeline.microbatches) if stages > 1 else 1
-    grad_accum = accumulation(cfg, data_parallel_size(mesh), pipelined)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=grad_accum))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=on_mesh(cfg, mesh)))
 
 
 def unrolled(cfg: Config) -> Config:
