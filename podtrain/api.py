@@ -17,6 +17,7 @@ from podtrain.errors import PodtrainError
 from podtrain.planning import plan as planning
 from podtrain.planning import report, targets
 from podtrain.program.load import load_config
+from podtrain.program.sampler import Sampling
 from podtrain.runtime import use_compile_cache
 from podtrain.runtime.devices import hide_absent_tpu
 from podtrain.tools import generate as generating
@@ -103,13 +104,15 @@ class Run:
         seed: int = 0,
         chat: str | None = None,
         system: str | None = None,
-        cache: bool = True,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> str:
         """`podtrain generate`'s text from the latest checkpoint (loaded at the first call): the prompt
         and its continuation (temperature 0: greedy), or the reply alone to a `chat` message."""
         hide_absent_tpu()
         self._model = self._model or self.run.language_model()
-        return generating.generate(self.run, prompt, chat, system, max_tokens, temperature, seed, cache, self._model)
+        sampling = Sampling(temperature, top_k, top_p)
+        return generating.generate(self.run, prompt, chat, system, max_tokens, sampling, seed, self._model)
 
     def __repr__(self) -> str:
         return f"<Run {self.dir}: {self.cfg.model.name}>"

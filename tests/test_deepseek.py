@@ -17,9 +17,9 @@ from podtrain.errors import ConfigError
 from podtrain.interop.hf.config_json import export_family, hf_config
 from podtrain.models import build_model
 from podtrain.models.attention import grouped_attention, splash_attention
+from podtrain.program import sampler
 from podtrain.program.adapters import weights_adapted
 from podtrain.program.load import load_config
-from podtrain.program.tasks.sampling import cached_tokens
 from podtrain.train.run import Run
 from safetensors.numpy import save_file
 
@@ -88,7 +88,10 @@ def test_deepseek_v3_imports_generates_and_exports_like_transformers(tmp_path, c
     prompt = TOKENS[0, :7]
     with torch.no_grad():
         expected = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=16, do_sample=False, min_new_tokens=0)
-    assert cached_tokens(fns, params, list(prompt), 16, 0.0, cfg.model.max_seq_len, seed=0) == expected[0, 7:].tolist()
+    assert (
+        sampler.generate(fns, params, [prompt.tolist()], 16, max_len=cfg.model.max_seq_len)[0].tokens
+        == expected[0, 7:].tolist()
+    )
 
     exports_back(tmp_path, "deepseek_v3", model)
 

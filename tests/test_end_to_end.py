@@ -9,8 +9,8 @@ from podtrain.cli import main
 from podtrain.config.parallel import MeshConfig
 from podtrain.data.tokenizer import ByteTokenizer
 from podtrain.program.load import load_config
+from podtrain.program.sampler import Sampling, complete
 from podtrain.program.state import model_fns
-from podtrain.program.tasks.sampling import sample
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
 from podtrain.train.metrics import read_metrics
@@ -23,7 +23,9 @@ def expected_sample(checkpoints, prompt, n, seed):
     checkpointer = Checkpointer(checkpoints)
     params = checkpointer.restore({"params": fns.abstract_params})["params"]
     checkpointer.close()
-    text = sample(fns, params, ByteTokenizer(), prompt, n, 0.8, cfg.train.seq_len, seed)
+    text = complete(
+        fns, params, ByteTokenizer(), [prompt], n, Sampling(0.8), seeds=[seed], max_len=cfg.model.max_seq_len
+    )[0]
     assert text  # n new bytes decode to at least one character
     return text
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from podtrain.cli import main
+from podtrain.program import sampler
 from podtrain.program.load import load_config
-from podtrain.program.tasks.sampling import cached_tokens, window_tokens
 from podtrain.train.loop import train
 from podtrain.train.run import Run
 from safetensors.numpy import load_file
@@ -142,7 +142,7 @@ def test_trained_model_exports_to_transformers(tmp_path, small_overrides, monkey
     assert np.abs(podtrain_logits(run, tokens) - torch_logits(model.float().eval(), tokens)).max() < 1e-4
 
 
-def test_greedy_generation_with_the_cache_equals_transformers_and_no_cache(tmp_path):
+def test_greedy_generation_equals_transformers(tmp_path):
     model = hf_llama(tmp_path / "hf", **VARIANTS["untied-theta"])
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     prompt = TOKENS[0, :7]
@@ -151,9 +151,7 @@ def test_greedy_generation_with_the_cache_equals_transformers_and_no_cache(tmp_p
             0, 7:
         ].tolist()
     cfg, fns, params = Run.at(tmp_path / "run").language_model()
-    cached = cached_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0)
-    assert cached == theirs
-    assert window_tokens(fns, params, list(prompt), 32, 0.0, cfg.model.max_seq_len, seed=0) == cached
+    assert sampler.generate(fns, params, [prompt.tolist()], 32, max_len=cfg.model.max_seq_len)[0].tokens == theirs
 
 
 def test_an_imported_model_generates_and_exports_with_its_own_tokenizer(tmp_path, capsys):
@@ -179,11 +177,10 @@ def test_an_imported_model_generates_and_exports_with_its_own_tokenizer(tmp_path
 
 
 @pytest.mark.parametrize("sliding", [0, 6])
-def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overrides, sliding):
-    """Past the window the cache restarts from the latest half window; up to it, temperature
-    sampling draws the same tokens as full passes over the window (same keys, same logits). With
-    every layer sliding over 6 positions the cache is a ring of 6 slots, which a padded prefill
-    and 20 steps wrap round several times."""
+def test_sampling_with_the_cache_draws_what_full_passes_draw(small_overrides, sliding):
+    """Temperature sampling with the key/value cache draws the same tokens as full forward passes over
+    the sequence so far with the same keys (same logits). With every layer sliding over 6 positions
+    the cache is a ring of 6 slots, which a padded prefill and 24 steps wrap round several times."""
     cfg = load_config(None, [*small_overrides, f"model.sliding_window={sliding}"])
     from podtrain.program.state import model_fns
     from podtrain.runtime.mesh import build_mesh
@@ -191,12 +188,12 @@ def test_cache_refills_when_full_and_samples_like_no_cache(tmp_path, small_overr
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
     assert fns.module(params).init_cache(1, 32)[0].shape[2] == (sliding or 32)
-    prompt = [5, 6, 7]
-    assert cached_tokens(fns, params, prompt, 20, 0.8, 32, seed=1) == window_tokens(
-        fns, params, prompt, 20, 0.8, 32, seed=1
-    )
-    long = cached_tokens(fns, params, prompt, 70, 0.0, 32, seed=0)  # two refills
-    assert len(long) == 70 and all(0 <= t < cfg.model.vocab_size for t in long)
+    drawn = sampler.generate(fns, params, [[5, 6, 7]], 24, sampler.Sampling(0.8), seeds=[1], max_len=32)[0].tokens
+    tokens, key = [5, 6, 7], jax.random.key(1)
+    for i in range(24):
+        logits = fns.apply(params, jnp.asarray([tokens], jnp.int32))[0, -1]
+        tokens.append(int(jax.random.categorical(jax.random.fold_in(key, i), logits / 0.8)))
+    assert drawn == tokens[3:]
 
 
 def test_sampling_draws_only_the_tokenizers_tokens_from_a_larger_vocabulary(small_overrides):
@@ -204,17 +201,15 @@ def test_sampling_draws_only_the_tokenizers_tokens_from_a_larger_vocabulary(smal
     bytes) samples only tokens the tokenizer can decode."""
     from podtrain.data.tokenizer import ByteTokenizer
     from podtrain.program.state import model_fns
-    from podtrain.program.tasks.sampling import sample
     from podtrain.runtime.mesh import build_mesh
 
     cfg = load_config(None, [*small_overrides, "model.vocab_size=4096"])
     fns = model_fns(cfg, build_mesh(cfg.mesh, jax.devices()[:1]))
     params = fns.init(jax.random.key(0))
-    drawn = cached_tokens(fns, params, [5, 6, 7], 40, 1.0, 32, seed=0)
-    assert max(drawn) >= 256  # the unrestricted draw leaves the bytes
-    for generate in (cached_tokens, window_tokens):
-        assert max(generate(fns, params, [5, 6, 7], 40, 1.0, 32, seed=0, vocab=256)) < 256
-    assert len(sample(fns, params, ByteTokenizer(), "The ", 40, 0.8, 32)) > 0
+    warm = sampler.Sampling(1.0)
+    assert max(sampler.generate(fns, params, [[5, 6, 7]], 28, warm, max_len=32)[0].tokens) >= 256  # unrestricted
+    assert max(sampler.generate(fns, params, [[5, 6, 7]], 28, warm, vocab=256, max_len=32)[0].tokens) < 256
+    assert len(sampler.complete(fns, params, ByteTokenizer(), ["The "], 28, sampler.Sampling(0.8), max_len=32)[0]) > 0
 
 
 def test_init_from_a_hf_checkpoint_and_a_run_trains_from_those_weights(tmp_path):

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from podtrain.cli import main
-from podtrain.program.tasks.sampling import cached_tokens
+from podtrain.program import sampler
 from podtrain.train.run import Run
 from safetensors.numpy import load_file
 
@@ -135,7 +135,10 @@ def test_family_imports_generates_and_exports_like_transformers(tmp_path, varian
     prompt = TOKENS[0, :7]
     with torch.no_grad():
         theirs = model.generate(torch.from_numpy(prompt[None]), max_new_tokens=16, do_sample=False, min_new_tokens=0)
-    assert cached_tokens(fns, params, list(prompt), 16, 0.0, cfg.model.max_seq_len, seed=0) == theirs[0, 7:].tolist()
+    assert (
+        sampler.generate(fns, params, [prompt.tolist()], 16, max_len=cfg.model.max_seq_len)[0].tokens
+        == theirs[0, 7:].tolist()
+    )
     windows = cfg.model.layer_windows()
     if windows and all(windows):  # every layer slides: the cache is a ring as long as the window, wrapped above
         assert fns.module(params).init_cache(1, cfg.model.max_seq_len)[0].shape[2] == max(windows) < 23

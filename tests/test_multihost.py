@@ -20,7 +20,7 @@ from podtrain.data.tokenizer import ByteTokenizer, fit_bpe, load_tokenizer
 from podtrain.errors import DistributedError
 from podtrain.program.job import build
 from podtrain.program.load import load_config
-from podtrain.program.tasks.sampling import sample
+from podtrain.program.sampler import Sampling, complete
 from podtrain.runtime.distributed import from_environment
 from podtrain.runtime.mesh import build_mesh
 from podtrain.train.checkpoint import Checkpointer
@@ -95,7 +95,19 @@ def test_processes_train_like_one(tmp_path, nproc, per_proc, mesh, status):
     # what one device samples from the same weights.
     lines = done.stdout.splitlines()
     printed = lines[lines.index("[0] [podtrain] sample:") + 1].removeprefix("[0] ")
-    expected = "The " + sample(job.setup.fns, restored, ByteTokenizer(), "The ", 8, 0.8, cfg.train.seq_len, cfg.seed)
+    expected = (
+        "The "
+        + complete(
+            job.setup.fns,
+            restored,
+            ByteTokenizer(),
+            ["The "],
+            8,
+            Sampling(0.8),
+            seeds=[cfg.seed],
+            max_len=cfg.train.seq_len,
+        )[0]
+    )
     assert printed == expected.splitlines()[0]
 
 

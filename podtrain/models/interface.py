@@ -1,5 +1,5 @@
 """What a language-model family provides: the keys every language model has, and the methods the
-language task (`podtrain.program.tasks.language`) and sampling (`podtrain.program.tasks.sampling`)
+language task (`podtrain.program.tasks.language`) and the sampler (`podtrain.program.sampler`)
 call on its module. A family whose `Family.task` is "language" subclasses the config and
 implements the protocol; tests/test_model.py checks every registered one.
 
@@ -59,7 +59,8 @@ class LanguageModel(Protocol):
         """tokens (B, n) at positions start..start+n-1 -> (logits (B, n, V) float32, the cache with
         the keys and values of the first `valid` of them added (default all; the rest is padding,
         never cached)); they attend to the cache's earlier positions. `start` and `valid` may be
-        traced int32 scalars, so one compiled program serves every position."""
+        traced int32 scalars, so one compiled program serves every position, or (B,) arrays, one
+        per sequence: a batch of prompts of different lengths decodes together."""
 
     def init_cache(self, batch: int, length: int) -> Any:
         """An empty cache for `batch` sequences of up to `length` positions (a pytree of arrays)."""

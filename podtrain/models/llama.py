@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from podtrain.models.attention import Attention, LatentAttention
+from podtrain.models.attention.module import counting
 from podtrain.models.family import Family
 from podtrain.models.layers import (
     ACT,
@@ -230,10 +231,10 @@ class Llama(nnx.Module):
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """Logits of `tokens` (batch, n) at positions start..start+n-1, attending to the keys and
         values of earlier positions in `cache` (from `init_cache`); returns the cache with the
-        first `valid` of theirs added (default all; the rest is padding). A prompt is one call
-        (prefill), then each new token one call of n=1."""
+        first `valid` of theirs added (default all; the rest is padding); both one for the batch or
+        one per sequence. A prompt is one call (prefill), then each new token one call of n=1."""
         table = constrain(self.embed[...], TABLE)
-        rope = self.rope(start + jnp.arange(tokens.shape[1]))
+        rope = self.rope(counting(start, tokens.shape[1]))
         x, updated = self.widen(self.embedded(table, tokens)), []
         for (stack, _), layer_cache, own in zip(self.stacks(), self.by_stack(cache), self.by_stack(self.per_layer())):
             x, new = scan_layers(stack, x, rope, start, valid, per_layer=(layer_cache, *own), decode=True)

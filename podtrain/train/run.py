@@ -19,7 +19,7 @@ from podtrain import runtime, storage
 from podtrain.config.parallel import MeshConfig
 from podtrain.config.schema import Config
 from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
-from podtrain.errors import CheckpointError, ConfigError, DataError
+from podtrain.errors import CheckpointError, ConfigError, DataError, MeshError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
 from podtrain.models import family, lora
@@ -91,10 +91,14 @@ class Run:
 
     def model(self, step: int | None = None) -> tuple[Config, ModelFns, int, object]:
         """(config, model functions, step, weights) of the latest checkpoint or of `step` (its EMA
-        where it kept one), on this machine's devices with the params replicated. A LoRA run's
-        weights are its base (train.init_from's, as stored there) with the checkpoint's adapters."""
-        cfg = dataclasses.replace(self.cfg, mesh=MeshConfig(data=-1, fsdp=1, tensor=1), device_type="auto")
-        rt = runtime.start(cfg, announce=False)
+        where it kept one), on this machine's devices (`serving_mesh`). A LoRA run's weights are its
+        base (train.init_from's, as stored there) with the checkpoint's adapters."""
+        cfg = dataclasses.replace(self.cfg, device_type="auto", mesh=serving_mesh(self.cfg.mesh))
+        try:
+            rt = runtime.start(cfg, announce=False)
+        except MeshError:  # its tensor or expert sizes do not divide this machine's devices
+            cfg = dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
+            rt = runtime.start(cfg, announce=False)
         cfg = final(cfg, rt.platform, rt.mesh, compiles=False)
         fns = model_fns(cfg, rt.mesh)
         trained, base = lora.split(fns.abstract_params) if cfg.train.lora.rank else (fns.abstract_params, None)
@@ -117,6 +121,13 @@ class Run:
             )
         cfg, fns, _, params = self.model()
         return cfg, fns, params
+
+
+def serving_mesh(trained: MeshConfig) -> MeshConfig:
+    """The mesh a run's model samples and is evaluated on, on one machine: the params split as in
+    training (its tensor and expert sizes, fsdp over the rest of the devices), the rows of a batch
+    over all of them; no pipeline stages or split sequences (decoding is one position at a time)."""
+    return MeshConfig(data=1, fsdp=-1, tensor=trained.tensor, expert=trained.expert)
 
 
 def starting_weights(source: str, abstract_params, cfg: Config):

@@ -158,20 +158,30 @@ class Attention(nnx.Module):
         return self.output(out), tuple(ring_write(c, new, queries, valid) for c, new in zip(cache, (k, v)))
 
 
+def counting(start, n: int) -> jax.Array:
+    """start, start + 1, ..., start + n - 1: (n,) from one start, (batch, n) from one per sequence."""
+    start = jnp.asarray(start)
+    return start[..., None] + jnp.arange(n).reshape((1,) * start.ndim + (n,))
+
+
 def ring_places(start: jax.Array, n: int, slots: int) -> tuple[jax.Array, jax.Array]:
     """(the positions of n new tokens from `start`, the position each key then holds): a ring
-    cache of `slots` (position p in slot p % slots) followed by the new tokens."""
-    queries = start + jnp.arange(n)
+    cache of `slots` (position p in slot p % slots) followed by the new tokens. `start` is one
+    position for the batch, or one per sequence (batch,): then both are per sequence."""
+    queries = counting(start, n)
     # What each slot holds: the latest position before `start` that maps to it (negative: none yet).
-    held = start - 1 - (start - 1 - jnp.arange(slots)) % slots
-    return queries, jnp.concatenate([jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max), queries])
+    before = counting(jnp.asarray(start) - 1, 1)
+    held = before - (before - jnp.arange(slots).reshape((1,) * (before.ndim - 1) + (slots,))) % slots
+    return queries, jnp.concatenate([jnp.where(held >= 0, held, jnp.iinfo(jnp.int32).max), queries], axis=-1)
 
 
 def ring_write(cache: jax.Array, new: jax.Array, queries: jax.Array, valid=None) -> jax.Array:
-    """A ring cache (batch, slots, ...) with the first `valid` (default all) of `new` (batch, n, ...)
-    at `queries` written in, the latest of them when they are more than its slots."""
-    n, slots = new.shape[1], cache.shape[1]
-    valid = n if valid is None else valid
-    written = (jnp.arange(n) < valid) & (jnp.arange(n) >= valid - slots)
-    to = jnp.where(written, queries % slots, slots)  # out of range: dropped
-    return cache.at[:, to].set(new.astype(cache.dtype), mode="drop")
+    """A ring cache (batch, slots, ...) with the first `valid` (default all; one count, or one per
+    sequence) of `new` (batch, n, ...) at `queries` ((n,) or (batch, n)) written in, the latest of
+    them when they are more than its slots."""
+    (batch, n), slots = new.shape[:2], cache.shape[1]
+    valid = counting(n if valid is None else valid, 1)
+    index = jnp.arange(n).reshape((1,) * (valid.ndim - 1) + (n,))
+    written = (index < valid) & (index >= valid - slots)
+    to = jnp.broadcast_to(jnp.where(written, queries % slots, slots), (batch, n))  # out of range: dropped
+    return cache.at[jnp.arange(batch)[:, None], to].set(new.astype(cache.dtype), mode="drop")

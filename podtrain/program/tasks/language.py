@@ -16,8 +16,8 @@ from podtrain.data import chat, pairs
 from podtrain.data.loader import REMOTE_READERS, BatchReader, eval_windows, train_windows
 from podtrain.data.registry import SOURCES, Format
 from podtrain.errors import ConfigError, DataError
+from podtrain.program.sampler import Sampling, complete
 from podtrain.program.tasks import Task, padded, preference, row_readers
-from podtrain.program.tasks.sampling import sample
 from podtrain.sharding import batch_sharding, context_order, positions_of, reordered
 
 
@@ -298,10 +298,11 @@ class LanguageTask(Task):
         t = self.cfg.train
         if not t.sample_tokens:
             return None
+        prompt = "The "
         if self.prompt is not None:
             prompt = self.prompt([{"role": "user", "content": "Hello! Who are you?"}], generation_prompt=True)
-            return prompt + sample(fns, params, self.tokenizer, prompt, t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
-        return "The " + sample(fns, params, self.tokenizer, "The ", t.sample_tokens, 0.8, t.seq_len, self.cfg.seed)
+        options = {"seeds": [self.cfg.seed], "max_len": t.seq_len}
+        return prompt + complete(fns, params, self.tokenizer, [prompt], t.sample_tokens, Sampling(0.8), **options)[0]
 
 
 def _chat_losses(cfg: Config) -> tuple[Callable, Callable]:
