@@ -260,8 +260,21 @@ def _add_plan_command(sub) -> None:
 
 def _add_run_commands(sub) -> None:
     """eval, checkpoints and plot: what runs left behind."""
-    ev = sub.add_parser("eval", help="test accuracy of HRM/TRM runs at each halt_max_steps, pooled over seeds")
+    ev = sub.add_parser(
+        "eval",
+        help="score language-model runs on lm-evaluation-harness tasks (--tasks), or HRM/TRM runs on their test set",
+        description=(
+            "With --tasks: each language model's RUN on lm-eval's tasks (or your YAML tasks under --include-path), "
+            "a table printed and RUN/eval/STEP/results.json written (docs/evaluation.md). Without: the test accuracy "
+            "of HRM/TRM runs at each halt_max_steps, pooled over seeds."
+        ),
+    )
     ev.add_argument("runs", nargs="+", metavar="RUN", help="a run_dir; with --seeds, one containing {seed}")
+    ev.add_argument("--tasks", metavar="T,T,...", help="lm-eval tasks, groups or tags (e.g. hellaswag,arc_easy)")
+    ev.add_argument("--limit", type=int, metavar="N", help="--tasks: the first N documents of each task (default: all)")
+    ev.add_argument("--num-fewshot", type=int, metavar="K", help="--tasks: K examples before each (default: task's)")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="B", help="--tasks: requests per batch (default 8)")
+    ev.add_argument("--include-path", metavar="DIR", help="--tasks: a folder of lm-eval task YAML files of your own")
     ev.add_argument("--halt-max-steps", metavar="H,H,...", help="segments to run (default: the run's own)")
     ev.add_argument("--seeds", metavar="S,S,...", help="one run per seed, {seed} in RUN replaced by it")
     ev.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")

@@ -50,6 +50,7 @@ SLOWEST_FIRST = (
     "test_multihost.py",
     "test_plan.py",
     "test_notebook.py",
+    "test_harness.py",
     "test_reasoning.py",
     "test_mhc.py",
     "test_moe.py",

@@ -176,6 +176,20 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    tasks: list[str] = key(
+        [],
+        "lm-evaluation-harness tasks scored during training on the training mesh, e.g. [hellaswag, arc_easy] "
+        "(the eval extra); their scores are metrics eval/TASK/METRIC",
+    )
+    every: int = key(0, "steps between task evaluations (0: only after the last step)", ">= 0")
+    limit: int = key(0, "examples per task (0: every one)", ">= 0")
+    num_fewshot: int | None = key(None, "examples in each prompt (None: each task's own)")
+    batch_size: int = key(8, "requests scored or generated together", ">= 1")
+    include_path: str = key("", "a folder of lm-eval task YAMLs beside its own (local tasks, offline data)")
+
+
+@dataclass
 class DistributedConfig:
     init_timeout: int = key(300, "seconds for all processes to join the coordinator", ">= 1")
     heartbeat_timeout: int = key(
@@ -194,6 +208,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     device_type: Literal["auto", "tpu", "gpu", "cuda", "cpu"] = key(
         "auto", "the devices to run on (auto: TPU, then GPU, then CPU); a forced one that is absent is an error"

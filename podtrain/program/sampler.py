@@ -118,10 +118,11 @@ def generate(
 
 def score(fns, params, sequences: Sequence[Sequence[int]], *, max_len: int) -> list[Scored]:
     """Each sequence's log-probabilities of its own tokens after the first, in one forward pass per
-    batch (the sequences of one call are one batch; at most `max_len` tokens each)."""
-    if too_long := [len(s) for s in sequences if len(s) > max_len]:
+    batch (the sequences of one call are one batch). The last token is only a target, so a sequence
+    may be one token longer than the model's `max_len` positions."""
+    if too_long := [len(s) for s in sequences if len(s) > max_len + 1]:
         raise ValueError(f"sequences of {max(too_long)} tokens: the model has {max_len} positions")
-    rows, width = len(sequences), rounded(max(map(len, sequences)), PREFILL_MIN)
+    rows, width = len(sequences), rounded(max(len(s) - 1 for s in sequences), PREFILL_MIN) + 1
     batch = -(-rounded(rows) // data_parallel_size(fns.mesh)) * data_parallel_size(fns.mesh)
     tokens = np.zeros((batch, width), np.int32)
     for i, s in enumerate(sequences):
@@ -204,7 +205,7 @@ def everywhere(mesh):
 @functools.lru_cache(maxsize=8)
 def _scorer(graph: Same, mesh):
     def run(params, tokens):
-        logits = nnx.merge(graph.value, params)(tokens)[:, :-1].astype(jnp.float32)
+        logits = nnx.merge(graph.value, params)(tokens[:, :-1]).astype(jnp.float32)
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
         return logprobs, jnp.argmax(logits, axis=-1) == tokens[:, 1:]
 

@@ -17,6 +17,9 @@ RUN_DIR/metrics.jsonl at the checkpoint's step: {"step", "eval_halt_max_steps",
 (evaluating again appends again). A resume from that step or a later one keeps them; one from an
 earlier step drops them with the other lines past it. With several runs (--seeds expands {seed}
 in RUN): mean, min and max over the runs per value, and a pooled plot. One process, like generate.
+
+With --tasks, a language model's run is scored on lm-evaluation-harness tasks instead
+(tools/harness.py, docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def open_run(run_dir: str) -> Run:
     if task_of(family(run.cfg.model)) is not PuzzleTask:
         raise ConfigError(
             f"{run_dir} trained model.name={run.cfg.model.name}, a language model; eval takes a run of a puzzle "
-            f"model ({', '.join(families_of(PuzzleTask))}). For a language model, val_loss is in its metrics.jsonl."
+            f"model ({', '.join(families_of(PuzzleTask))}), or give --tasks to score a language model on "
+            "lm-evaluation-harness tasks (e.g. --tasks hellaswag,arc_easy)."
         )
     return run
 
@@ -219,7 +223,32 @@ def plot(results: list[Result], path: Path) -> Path:
     return path
 
 
+def harness_command(args) -> None:
+    """`podtrain eval RUN... --tasks a,b`: lm-eval's tasks on each language model's run."""
+    from podtrain.tools import harness  # lm-eval is an optional extra: imported for --tasks alone
+
+    if puzzle := [flag for flag, value in (("--halt-max-steps", args.halt_max_steps), ("--out", args.out)) if value]:
+        raise ConfigError(f"{puzzle[0]} is for puzzle runs; with --tasks, leave it out.")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError(
+            f"--tasks takes lm-eval task names separated by commas (e.g. hellaswag,arc_easy), not {args.tasks!r}."
+        )
+    for flag, value, least in (
+        ("--limit", args.limit, 1),
+        ("--num-fewshot", args.num_fewshot, 0),
+        ("--batch-size", args.batch_size, 1),
+    ):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} takes an integer >= {least}, not {value}.")
+    runs = [harness.language_run(Run.at(d)) for d in expand(args.runs, numbers(args.seeds, "--seeds", 0))]
+    for run in runs:
+        harness.evaluate(run, tasks, args.limit, args.num_fewshot, args.batch_size, args.include_path, args.step)
+
+
 def command(args) -> None:
+    if args.tasks is not None:
+        return harness_command(args)
     halts = numbers(args.halt_max_steps, "--halt-max-steps", 1)
     runs = [open_run(d) for d in expand(args.runs, numbers(args.seeds, "--seeds", 0))]  # all checked first
     results = []

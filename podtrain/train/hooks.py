@@ -78,9 +78,10 @@ class TrainHooks:
         ui,
         start: int,
         goodput: Goodput,
+        tasks=None,  # eval.tasks: a program.harness.Tasks (lm-eval, an optional extra)
     ):
         self.cfg, self.job, self.checkpointer, self.log, self.stop = cfg, job, checkpointer, log, stop
-        self.goodput = goodput
+        self.goodput, self.tasks = goodput, tasks
         self.progress, self.bar, self.peak_flops = ui  # the rich Progress, its bar, the mesh's peak FLOP/s
         self.start = start
         self.window = Throughput(start)
@@ -95,6 +96,8 @@ class TrainHooks:
         trainer.add_hook(self.divergence)
         trainer.add_hook(self.write_metrics, t.log_every)
         trainer.add_hook(self.evaluate, t.eval_every)
+        if self.tasks is not None:
+            trainer.add_hook(self.score_tasks, self.cfg.eval.every)
         trainer.add_hook(self.save, self.cfg.checkpoint.every)
         if self.cfg.checkpoint.replica_every and jax.process_count() > 1:
             trainer.add_hook(self.host_copy(), self.cfg.checkpoint.replica_every)
@@ -160,6 +163,16 @@ class TrainHooks:
         self.evals = evals
         self.log.write({"step": end.done, **evals}, prefix="eval")
         self.progress.console.print(f"step {end.done:>6}  {fmt_metrics(evals)}")
+        self.window.restart(end.done)
+
+    def score_tasks(self, end: StepEnd) -> None:
+        """eval.tasks on this step's weights, on the training mesh, logged as eval/TASK/METRIC."""
+        jax.block_until_ready(end.state)
+        with self.goodput.charge("eval"):
+            scores = self.tasks.scores(self.job.setup.fns, weights(end.state))
+        self.last.update(scores)
+        self.log.write({"step": end.done, **scores}, prefix="eval")
+        self.progress.console.print(f"step {end.done:>6}  " + "  ".join(f"{k} {v:.4g}" for k, v in scores.items()))
         self.window.restart(end.done)
 
     def save(self, end: StepEnd) -> None:

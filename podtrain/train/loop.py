@@ -98,8 +98,13 @@ def train(cfg: Config) -> dict:
     run = Run.of(ready.cfg)
     if ready.job.task.tokenizer is not None:
         run.check_tokenizer(ready.job.task.tokenizer)
+    tasks = None
+    if cfg.eval.tasks:  # named and read before any weights; lm-eval is the optional extra `eval`
+        from podtrain.program.harness import Tasks
+
+        tasks = Tasks(ready.cfg, ready.job.task.tokenizer)
     with run.lock() if rt.is_main else nullcontext(), distributed.peer_loss_in_one_line():  # one job per run dir
-        return _train(cfg, rt, run, ready, goodput)
+        return _train(cfg, rt, run, ready, goodput, tasks)
 
 
 def _adapted(cfg: Config, job: Job) -> str:
@@ -136,7 +141,7 @@ def _announce(say, asked: Config, ready: Prepared, chip, start: int) -> None:
         say(f"[podtrain] note: {note}")
 
 
-def _train(asked: Config, rt, run: Run, ready: Prepared, goodput: Goodput) -> dict:
+def _train(asked: Config, rt, run: Run, ready: Prepared, goodput: Goodput, tasks) -> dict:
     cfg, job, memory = ready.cfg, ready.job, ready.memory
     t, task = cfg.train, job.task
     console = Console(quiet=not rt.is_main, markup=False, highlight=False, soft_wrap=True)
@@ -166,7 +171,7 @@ def _train(asked: Config, rt, run: Run, ready: Prepared, goodput: Goodput) -> di
             closing(batches),
         ):
             bar = progress.add_task("train", total=t.steps, completed=start, status="compiling")
-            hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start, goodput)
+            hooks = TrainHooks(cfg, job, checkpointer, log, stop, (progress, bar, rt.peak_flops), start, goodput, tasks)
             trainer = Trainer(ready.step)
             hooks.attach(trainer)
             with distributed.peer_loss_in_one_line():  # before any cleanup: its collectives would not match
