@@ -166,6 +166,7 @@ def test_lora_on_latent_attention_is_refused_and_on_its_mlps_allowed(small_overr
     assert weights_adapted(load_config(None, [*lora, "train.lora.targets=[up_proj]"])) == {"w_up"}
 
 
+@pytest.mark.integration
 def test_the_splash_kernel_takes_values_narrower_than_queries_and_keys():
     """Latent attention's heads: keys of nope + rope dims, values of v_head_dim. The TPU kernel (run
     by its interpreter) gives the xla path's outputs and gradients."""

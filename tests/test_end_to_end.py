@@ -142,6 +142,7 @@ def test_config_is_written_resolved(tmp_path, small_overrides):
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1]
 
 
+@pytest.mark.integration
 def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path, small_overrides):
     """In fresh processes (JAX fixes its cache folder at the first compile): the first run fills
     compile_cache=DIR, and a second one reads its train step from there (JAX logs each hit with

@@ -51,6 +51,7 @@ def test_user_error_exits_2_without_traceback(case, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.integration
 def test_diverged_loss_exits_2_and_keeps_checkpoints(tmp_path):
     """...and `checkpoints` and `generate` over the run it leaves print none of libtpu's warnings."""
     from helpers import NOISE, SMALL

@@ -189,11 +189,14 @@ def test_sampling_with_the_cache_draws_what_full_passes_draw(small_overrides, sl
     params = fns.init(jax.random.key(0))
     assert fns.module(params).init_cache(1, 32)[0].shape[2] == (sliding or 32)
     drawn = sampler.generate(fns, params, [[5, 6, 7]], 24, sampler.Sampling(0.8), seeds=[1], max_len=32)[0].tokens
-    tokens, key = [5, 6, 7], jax.random.key(1)
+    # the sequence so far padded on the right to all 32 positions (causal: the padding is not seen), one compile
+    full = jax.jit(lambda params, tokens: fns.apply(params, tokens[None])[0])
+    tokens, key = np.zeros(32, np.int32), jax.random.key(1)
+    tokens[:3] = [5, 6, 7]
     for i in range(24):
-        logits = fns.apply(params, jnp.asarray([tokens], jnp.int32))[0, -1]
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(key, i), logits / 0.8)))
-    assert drawn == tokens[3:]
+        logits = full(params, tokens)[2 + i]
+        tokens[3 + i] = int(jax.random.categorical(jax.random.fold_in(key, i), logits / 0.8))
+    assert drawn == tokens[3:27].tolist()
 
 
 def test_sampling_draws_only_the_tokenizers_tokens_from_a_larger_vocabulary(small_overrides):

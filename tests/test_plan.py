@@ -50,6 +50,7 @@ def _rss() -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
+@pytest.mark.integration
 def test_memory_is_within_2x_of_a_real_step(tmp_path):
     """The plan's bytes per device x 4 devices against the growth of this process's peak resident
     memory while the state is made and a step runs over it, donated (all 4 fake devices live in

@@ -67,7 +67,7 @@ def test_a_key_of_a_section_that_does_not_exist_lists_the_sections(capsys):
     err = capsys.readouterr().err
     assert "Unknown config section `foo` (as in `foo.bar`) in the overrides; the sections are " in err
     assert (
-        "checkpoint, context, data, distributed, log, mesh, model, pipeline, train." in err
+        "checkpoint, context, data, distributed, eval, log, mesh, model, pipeline, train." in err
         and "single value" not in err
     )
 

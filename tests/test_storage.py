@@ -64,6 +64,7 @@ def _losses(run_dir: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+@pytest.mark.integration
 def test_a_run_in_a_bucket_trains_resumes_and_reads_as_a_local_one(gcs, tmp_path, monkeypatch, capsys):
     """Tokenizer, shards, run directory and checkpoints in GCS; stopped after 4 steps and resumed to 6:
     every loss equals a local run's of the same data, and nothing lands on the local disk."""
