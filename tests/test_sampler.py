@@ -70,6 +70,21 @@ def test_a_sharded_mesh_samples_what_one_device_samples(small_overrides):
         np.testing.assert_allclose([r.logprobs for r in a], [r.logprobs for r in b], atol=1e-5)
 
 
+def test_a_generation_is_one_program_with_the_tokens_in_a_loop_and_the_params_kept_sharded(small_overrides):
+    """The mechanism, read off the compiled program: one while loop of decode steps (no host round
+    trip per token), and the params taken as the mesh shards them (fsdp x tensor), never gathered whole
+    into one device's copy."""
+    fns, params = small(small_overrides, MeshConfig(data=2, fsdp=2, tensor=2), 8)
+    program = sampler._decoder(sampler.Same(fns.graphdef), fns.mesh, 10, 32, sampler.Sampling(), (), None)
+    tokens, lengths, seeds = np.zeros((8, 16), np.int32), np.ones(8, np.int32), np.arange(8, dtype=np.uint32)
+    compiled = program.lower(params, tokens, lengths, seeds).compile()
+    assert compiled.as_text().count(" while(") >= 1
+    given = jax.tree.leaves(compiled.input_shardings[0][0])
+    held = [leaf.sharding for leaf in jax.tree.leaves(params)]
+    assert all(g.is_equivalent_to(h, leaf.ndim) for g, h, leaf in zip(given, held, jax.tree.leaves(params)))
+    assert any(not h.is_fully_replicated for h in held)  # the mesh does split them
+
+
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.3)])
 def test_top_k_and_top_p_draw_only_the_tokens_they_allow(small_overrides, top_k, top_p):
     fns, params = small(small_overrides)
@@ -123,6 +138,8 @@ def test_generate_prompts_writes_one_completion_per_row_and_refuses_rows_without
     assert [p["id"] for p in printed] == [0, 1, 2] and all(isinstance(p["completion"], str) for p in printed)
     alone = main(["generate", str(tmp_path / "run"), "--prompt", "hello there", "--greedy", "--max-new-tokens", "5"])
     assert alone == 0 and capsys.readouterr().out == "hello there" + printed[1]["completion"] + "\n"
+    assert main(["generate", str(tmp_path / "run"), "--prompts", str(tmp_path / "absent.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
     rows.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     assert main(["generate", str(tmp_path / "run"), "--prompts", str(rows)]) == 2
     err = capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from podtrain import storage
 from podtrain.errors import ConfigError
 
 
@@ -52,9 +53,12 @@ def chat_prompt(renderer, message: str, system: str | None = None) -> str:
 
 
 def read_prompts(path: str) -> list[dict]:
-    """--prompts rows, each with a `prompt` string or a list of `messages`; checked before any weights load."""
-    rows = []
-    with open(path) as f:
+    """--prompts rows (a local file or one in a bucket), each with a `prompt` string or a list of
+    `messages`; checked before any weights load."""
+    rows, source = [], storage.path(path)
+    if not source.is_file():
+        raise ConfigError(f"--prompts {path}: no such file; give a JSONL file of prompts, one per line.")
+    with source.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
