@@ -281,3 +281,21 @@ def test_orbax_records_of_a_save_the_bucket_failed_are_left_to_the_one_paragraph
         except Exception:
             logger.error("Failed to run 3 Handler Commit operations: %s", type(error).__name__, exc_info=True)
     assert [r.getMessage() for r in caplog.records] == ["Failed to run 3 Handler Commit operations: ValueError"]
+
+
+def test_generate_reads_prompts_from_a_bucket_and_eval_writes_its_results_there(gcs, tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    tasks = Path(__file__).parent / "data" / "harness"
+    monkeypatch.chdir(tasks)  # the task's data_files are relative to it
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    run, prompts = f"{gcs.path}/run", f"{gcs.path}/prompts.jsonl"
+    assert main(["train", *RUN, "train.steps=1", "checkpoint.every=0", f"run_dir={run}"]) == 0
+    storage.write_text(storage.path(prompts), '{"prompt": "The "}\n{"prompt": "A"}\n')
+    capsys.readouterr()
+    assert main(["generate", run, "--prompts", prompts, "--max-new-tokens", "4", "--greedy"]) == 0
+    assert [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()] == ["The ", "A"]
+    assert main(["eval", run, "--tasks", "podtrain_choice", "--include-path", str(tasks), "--limit", "2"]) == 0
+    results = json.loads(storage.path(f"{run}/eval/1/results.json").read_text())
+    assert "acc,none" in results["results"]["podtrain_choice"]
+    assert not [f for f in _files(tasks) if f.startswith("gs:")] and not _files(tmp_path)
