@@ -10,7 +10,7 @@ import pytest
 from podtrain.cli import main
 from podtrain.models import lora
 from podtrain.planning import plan, targets
-from podtrain.program import adapters
+from podtrain.program import adapters, sampler
 from podtrain.program.checks import resolve_auto
 from podtrain.program.job import build
 from podtrain.program.load import load_config
@@ -90,7 +90,7 @@ def test_adapters_train_alone_and_match_peft_merged_or_not(base, capsys):
     assert {s.shape for s in jax.tree.leaves(job.abstract_state["opt"]) if s.ndim} <= adapter_shapes
 
     # The base is the imported weights, bit for bit; the adapters moved away from B = 0.
-    _, _, params = Run.at(base / "lora").language_model()
+    _, fns, params = Run.at(base / "lora").language_model()
     trained, frozen = lora.split(params)
     _, _, imported = Run.at(base / "run").language_model()
     for got, want in zip(jax.tree.leaves(frozen), jax.tree.leaves(imported), strict=True):
@@ -104,6 +104,12 @@ def test_adapters_train_alone_and_match_peft_merged_or_not(base, capsys):
     hf_base = transformers.LlamaForCausalLM.from_pretrained(base / "hf", dtype=torch.float32).eval()
     with_adapter = peft.PeftModel.from_pretrained(hf_base, base / "adapter").eval()
     assert agree(torch_logits(with_adapter, TOKENS), ours)
+    prompt = TOKENS[0, :7].tolist()  # the sampler decodes with the adapters, greedy as peft's model
+    with torch.no_grad():
+        theirs = with_adapter.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    assert (
+        sampler.generate(fns, params, [prompt], 12, max_len=cfg.model.max_seq_len)[0].tokens == theirs[0, 7:].tolist()
+    )
     plain = transformers.LlamaForCausalLM.from_pretrained(base / "hf", dtype=torch.float32).eval()
     assert np.abs(torch_logits(plain, TOKENS) - ours).max() > 1e-3  # the adapters change the model
 
