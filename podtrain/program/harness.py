@@ -25,10 +25,8 @@ import functools
 
 from podtrain.data.chat import stop_ids
 from podtrain.errors import ConfigError, first_line
-from podtrain.models import family
 from podtrain.program import sampler
-from podtrain.program.tasks.language import LanguageTask
-from podtrain.program.tasks.registry import families_of, task_of
+from podtrain.program.tasks.registry import require_language
 
 try:  # the optional extra `eval`: imported by `podtrain eval --tasks` and by training with eval.tasks
     import lm_eval
@@ -194,12 +192,8 @@ class Tasks:
     mesh at each eval.every."""
 
     def __init__(self, cfg, tokenizer):
-        if task_of(family(cfg.model)) is not LanguageTask:
-            raise ConfigError(
-                f"eval.tasks={cfg.eval.tasks}: lm-evaluation-harness tasks score a language model "
-                f"({', '.join(families_of(LanguageTask))}), and model.name={cfg.model.name} solves puzzles; leave "
-                "eval.tasks empty (train.eval_every scores its held-out puzzles)."
-            )
+        after = "Leave eval.tasks empty: train.eval_every scores its held-out puzzles."
+        require_language(cfg.model, f"{cfg.run_dir} trains", f"eval.tasks={cfg.eval.tasks} scores", after)
         self.cfg, self.tokenizer = cfg, tokenizer
         self.manager = task_manager(cfg.eval.include_path or None)
         check_names(cfg.eval.tasks, self.manager, "eval.tasks")

@@ -76,6 +76,16 @@ def rounded(n: int, least: int = 1) -> int:
     return max(least, 1 << max(n - 1, 0).bit_length())
 
 
+def padded(mesh, sequences: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """The sequences as rows of `width` tokens, padded on the right with 0, and with empty rows up to
+    a power of two and a multiple of the mesh's batch shards."""
+    shards = data_parallel_size(mesh)
+    tokens = np.zeros((-(-rounded(len(sequences)) // shards) * shards, width), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    return tokens
+
+
 def generate(
     fns,
     params,
@@ -98,12 +108,10 @@ def generate(
     prompts = [list(p)[-(max_len - 1) :] for p in prompts]
     if not all(prompts):
         raise ValueError("every prompt needs a token (an empty text starts from the tokenizer's EOS)")
-    rows, width = len(prompts), rounded(max(map(len, prompts)), PREFILL_MIN)
-    batch = -(-rounded(rows) // data_parallel_size(fns.mesh)) * data_parallel_size(fns.mesh)
-    tokens, lengths = np.zeros((batch, width), np.int32), np.ones(batch, np.int32)  # padding rows: one token
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)], lengths[i] = p, len(p)
-    seeds = np.resize(np.asarray(range(rows) if seeds is None else seeds, np.uint32), batch)
+    rows, tokens = len(prompts), padded(fns.mesh, prompts, rounded(max(map(len, prompts)), PREFILL_MIN))
+    lengths = np.ones(len(tokens), np.int32)  # padding rows: one token
+    lengths[:rows] = [len(p) for p in prompts]
+    seeds = np.resize(np.asarray(range(rows) if seeds is None else seeds, np.uint32), len(tokens))
     new_tokens = min(max_new_tokens, max_len - min(map(len, prompts)))
     program = _decoder(Same(fns.graphdef), fns.mesh, new_tokens, max_len, sampling, tuple(stop), vocab)
     placed = jax.device_put((tokens, lengths, seeds), batch_sharding(fns.mesh))
@@ -122,11 +130,7 @@ def score(fns, params, sequences: Sequence[Sequence[int]], *, max_len: int) -> l
     may be one token longer than the model's `max_len` positions."""
     if too_long := [len(s) for s in sequences if len(s) > max_len + 1]:
         raise ValueError(f"sequences of {max(too_long)} tokens: the model has {max_len} positions")
-    rows, width = len(sequences), rounded(max(len(s) - 1 for s in sequences), PREFILL_MIN) + 1
-    batch = -(-rounded(rows) // data_parallel_size(fns.mesh)) * data_parallel_size(fns.mesh)
-    tokens = np.zeros((batch, width), np.int32)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = s
+    tokens = padded(fns.mesh, sequences, rounded(max(len(s) - 1 for s in sequences), PREFILL_MIN) + 1)
     logprobs, greedy = jax.device_get(
         _scorer(Same(fns.graphdef), fns.mesh)(params, jax.device_put(tokens, batch_sharding(fns.mesh)))
     )

@@ -7,11 +7,8 @@ from __future__ import annotations
 import json
 
 from podtrain import storage
-from podtrain.errors import ConfigError
-from podtrain.models import family
 from podtrain.program.harness import PodtrainLM, check_names, lm_eval, load_tasks, task_manager
-from podtrain.program.tasks.language import LanguageTask
-from podtrain.program.tasks.registry import families_of, task_of
+from podtrain.program.tasks.registry import require_language
 from podtrain.train.run import Run
 
 # the keys of lm-eval's results that map each task (or group) to its entry
@@ -20,11 +17,8 @@ PER_TASK = ("results", "groups", "group_subtasks", "configs", "versions", "n-sho
 
 def language_run(run: Run) -> Run:
     """The run, if it trained a language model."""
-    if task_of(family(run.cfg.model)) is not LanguageTask:
-        raise ConfigError(
-            f"{run.dir} trained model.name={run.cfg.model.name}, which solves puzzles; --tasks scores a language model "
-            f"({', '.join(families_of(LanguageTask))}). Leave --tasks out to score a puzzle run on its test set."
-        )
+    after = "Leave --tasks out to score a puzzle run on its test set."
+    require_language(run.cfg.model, f"{run.dir} trained", "--tasks scores", after)
     return run
 
 

@@ -22,12 +22,11 @@ from podtrain.data.tokenizer import BYTES, keep_tokenizer, load_tokenizer
 from podtrain.errors import CheckpointError, ConfigError, DataError, MeshError
 from podtrain.interop.hf import checkpoint as hf_checkpoint
 from podtrain.interop.hf import config_json, families
-from podtrain.models import family, lora
+from podtrain.models import lora
 from podtrain.program.prepare import final
 from podtrain.program.saved import config_file, differences, run_config, save_config
 from podtrain.program.state import ModelFns, model_fns
-from podtrain.program.tasks.language import LanguageTask
-from podtrain.program.tasks.registry import families_of, task_of
+from podtrain.program.tasks.registry import require_language
 from podtrain.train import lease
 from podtrain.train.checkpoint import Checkpointer, CheckpointMismatch
 
@@ -113,12 +112,7 @@ class Run:
 
     def language_model(self) -> tuple[Config, ModelFns, object]:
         """(config, model functions, weights) of the latest checkpoint, for generate and export."""
-        if task_of(family(self.cfg.model)) is not LanguageTask:
-            language = families_of(LanguageTask)
-            raise ConfigError(
-                f"{self.dir} trained model.name={self.cfg.model.name}, which solves puzzles; generate and convert "
-                f"take a language model ({', '.join(language)})."
-            )
+        require_language(self.cfg.model, f"{self.dir} trained", "generate and convert take")
         cfg, fns, _, params = self.model()
         return cfg, fns, params
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from podtrain.config.schema import TrainConfig
 from podtrain.errors import ConfigError
-from podtrain.models import MODELS
+from podtrain.models import MODELS, family
 from podtrain.models.family import Family
 from podtrain.program.tasks import Task
 from podtrain.program.tasks.language import LanguageTask
@@ -26,6 +26,15 @@ def task_of(record: Family) -> type[Task]:
 def families_of(task: type[Task]) -> list[str]:
     """The model families that train on `task`, by name."""
     return [name for name, record in MODELS.items() if task_of(record) is task]
+
+
+def require_language(model, who: str, needs: str, after: str = "") -> None:
+    """A ConfigError unless `model` (a model config) is a language model: `who` trained it, `needs` one."""
+    if task_of(family(model)) is not LanguageTask:
+        raise ConfigError(
+            f"{who} model.name={model.name}, which solves puzzles; {needs} a language model "
+            f"({', '.join(families_of(LanguageTask))}).{' ' + after if after else ''}"
+        )
 
 
 def train_config(record: Family) -> type[TrainConfig]:
